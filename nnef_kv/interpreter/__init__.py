@@ -1,0 +1,1 @@
+"""Graph -> plan -> session: runs NNEF graphs with NumPy kernels (see ``registry``)."""

@@ -1,0 +1,1 @@
+"""Bytes <-> tensors and archives: ``.dat`` codec (``dat``), folder/tar/tgz containers (``archive``)."""
