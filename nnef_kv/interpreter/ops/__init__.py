@@ -6,6 +6,7 @@ import importlib
 _MODULES = (
     "nnef_kv.interpreter.ops.nnef_std",
     "nnef_kv.interpreter.ops.tract_core",
+    "nnef_kv.interpreter.ops.tract_core_signal",
     "nnef_kv.interpreter.ops.tract_transformers",
     "nnef_kv.kv.ops",
 )
