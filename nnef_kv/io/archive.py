@@ -1,0 +1,260 @@
+"""The :class:`Model` (document + tensors + graph.quant + other resources) and ``load``/``save``.
+
+A model archive is a folder, a tar or a gzip-compressed tar (gzip is recognised by its magic
+bytes, whatever the suffix) holding ``graph.nnef``, an optional ``graph.quant`` and one ``.dat``
+file per variable. As in tract, a tensor's label is its member path without the final ``.dat``
+(labels may hold ``/``, dots, commas, parentheses), and ``variable(label = L)`` looks up ``L``,
+then ``L`` without a leading ``/``.
+
+Everything else is kept as bytes in :attr:`Model.resources` and written back by :func:`save`:
+JSON files, nested model archives (``x.nnef.tar``/``x.nnef.tgz``), sub-model folders (every
+member under ``x/`` when ``x/graph.nnef`` exists, the way tract groups them), reference files.
+
+Saving writes ``nnef_kv.dump(model.document)`` (canonical text), so graph edits made by
+converters are what gets saved; :attr:`Model.text` keeps the text as read, for display and
+messages. Tensors keep the encoding they were read with (:class:`~nnef_kv.io.dat.DatInfo`) when it
+still fits the value, so an untouched tensor is written back byte for byte.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, is_dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterator
+
+from ..errors import ArchiveError
+from ..grammar import ast
+from ..limits import DEFAULT_LIMITS, Limits
+from .container import Buffer, Member, read_container, write_container
+from .dat import DatInfo, TensorValue, decode_tensor, encode_parts, info_fits
+
+if TYPE_CHECKING:  # pragma: no cover
+    from ..interpreter.session import Session
+
+__all__ = ["Model", "load", "save", "GRAPH_NNEF", "GRAPH_QUANT"]
+
+GRAPH_NNEF = "graph.nnef"
+GRAPH_QUANT = "graph.quant"
+
+
+@dataclass
+class Model:
+    """An NNEF model in memory.
+
+    ``document``: the parsed ``graph.nnef``; ``tensors``: label -> array (or
+    :class:`~nnef_kv.io.blockquant.BlockQuantTensor`); ``quantization``: the parsed ``graph.quant``
+    or None; ``source``: the path it was loaded from (for messages); ``text``/``quant_text``: the
+    texts as read (None when built in code); ``resources``: other members, name -> bytes;
+    ``tensor_info``: label -> the ``.dat`` encoding read (kept on save when it fits).
+
+    Loaded arrays are read-only views into the archive's bytes (or memory map): copy before
+    changing them in place, or assign a new array to ``tensors[label]``.
+    """
+
+    document: ast.Document
+    tensors: dict[str, TensorValue] = field(default_factory=dict)
+    quantization: ast.QuantDocument | None = None
+    source: str | None = None
+    text: str | None = None
+    quant_text: str | None = None
+    resources: dict[str, bytes] = field(default_factory=dict)
+    tensor_info: dict[str, DatInfo] = field(default_factory=dict)
+
+    # ------------------------------------------------------------------------------------------
+    @classmethod
+    def from_text(
+        cls,
+        text: str,
+        tensors: dict[str, TensorValue] | None = None,
+        quant_text: str | None = None,
+        *,
+        source: str | None = None,
+    ) -> "Model":
+        """A model from NNEF text (and optional graph.quant text) built in code."""
+        from ..grammar import parse, parse_quant
+
+        where = source or "<model>"
+        doc = parse(text, filename=f"{where}/{GRAPH_NNEF}")
+        quant = parse_quant(quant_text, filename=f"{where}/{GRAPH_QUANT}") if quant_text is not None else None
+        return cls(document=doc, tensors=dict(tensors or {}), quantization=quant, source=source)
+
+    @property
+    def name(self) -> str:
+        """What to call this model in messages."""
+        return self.source or "<model>"
+
+    def variable_labels(self) -> list[str]:
+        """Labels of every ``variable(...)`` invocation with a literal label (graph and fragments), in order."""
+        seen: dict[str, None] = {}
+        doc = self.document
+        bodies = [f.body for f in doc.fragments if f.body] + ([doc.graph.body] if doc.graph else [])
+        for body in bodies:
+            for inv in _invocations(body):
+                if inv.name != "variable":
+                    continue
+                label = _label_of(inv)
+                if label is not None:
+                    seen.setdefault(label, None)
+        return list(seen)
+
+    def resolve_label(self, label: str) -> str | None:
+        """The key of :attr:`tensors` that ``variable(label = label)`` reads, as tract looks it up."""
+        if label in self.tensors:
+            return label
+        if label.startswith("/") and label[1:] in self.tensors:
+            return label[1:]
+        return None
+
+    def tensor(self, label: str) -> TensorValue:
+        """The tensor of a variable label; :class:`ArchiveError` naming the model and label if absent."""
+        key = self.resolve_label(label)
+        if key is None:
+            raise ArchiveError(f"{self.name}: variable {label!r} has no tensor file ({label.lstrip('/')}.dat)")
+        return self.tensors[key]
+
+    def check_variables(self) -> None:
+        """Every variable has its tensor, else :class:`ArchiveError` naming the model and the label."""
+        missing = [lab for lab in self.variable_labels() if self.resolve_label(lab) is None]
+        if missing:
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise ArchiveError(
+                f"{self.name}: variable {missing[0]!r} has no tensor file ({missing[0].lstrip('/')}.dat){more}"
+            )
+
+    def session(self, state: Any = None) -> "Session":
+        """A runnable session of this model (see :mod:`nnef_kv.interpreter.session`)."""
+        from ..interpreter.session import Session
+
+        return Session(self, state=state)
+
+    def nbytes(self) -> int:
+        """Bytes held by the tensors."""
+        return sum(int(getattr(t, "nbytes", 0)) for t in self.tensors.values())
+
+
+# ----------------------------------------------------------------------------------------------
+# AST walking
+# ----------------------------------------------------------------------------------------------
+def _invocations(node: Any) -> Iterator[ast.Invocation]:
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        if isinstance(n, (tuple, list)):
+            stack.extend(reversed(n))
+        elif isinstance(n, ast.Invocation):
+            yield n
+            stack.extend(reversed([a.value for a in n.args]))
+        elif is_dataclass(n) and not isinstance(n, type):
+            stack.extend(reversed([getattr(n, f.name) for f in fields(n) if f.name != "pos"]))
+
+
+def _label_of(inv: ast.Invocation) -> str | None:
+    named = inv.named()
+    value = named.get("label")
+    if value is None:
+        pos = inv.positional()
+        value = pos[1] if len(pos) > 1 else None
+    return value.value if isinstance(value, ast.StringLiteral) else None
+
+
+# ----------------------------------------------------------------------------------------------
+# load
+# ----------------------------------------------------------------------------------------------
+def _text(member: Member, where: str) -> str:
+    try:
+        return bytes(member.data).decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ArchiveError(f"{where}/{member.name}: not valid UTF-8 ({e.reason} at byte {e.start})") from None
+
+
+def load(path: str | os.PathLike, limits: Limits | None = None, *, check: bool = True) -> Model:
+    """Load a model from a folder, ``.tar``, ``.tgz`` (``.nnef.tar``, ``.nnef.tgz``: any name).
+
+    Nothing is extracted to disk; tensors are views into the mapped files where the container is
+    not compressed. ``check`` verifies that every variable has its tensor.
+    """
+    limits = limits or DEFAULT_LIMITS
+    where = os.fspath(path)
+    if not os.path.exists(where):
+        raise ArchiveError(f"{where}: no such file or folder")
+    _, members = read_container(where, limits)
+    by_name = {m.name: m for m in members}
+    if GRAPH_NNEF not in by_name:
+        raise ArchiveError(f"{where}: no {GRAPH_NNEF} in the model")
+    # sub-model folders: ``x/graph.nnef`` two levels deep, as tract detects them (tract then moves
+    # every id starting with ``x`` into the sub-model; nnef-kv takes the folder ``x/`` only)
+    submodels = {
+        m.name.split("/")[0] + "/"
+        for m in members
+        if m.name.count("/") == 1 and m.name.endswith("/" + GRAPH_NNEF)
+    }
+
+    from ..grammar import parse, parse_quant
+
+    text = _text(by_name[GRAPH_NNEF], where)
+    document = parse(text, filename=f"{where}/{GRAPH_NNEF}", limits=limits)
+    quant_text = quantization = None
+    if GRAPH_QUANT in by_name:
+        quant_text = _text(by_name[GRAPH_QUANT], where)
+        quantization = parse_quant(quant_text, filename=f"{where}/{GRAPH_QUANT}", limits=limits)
+
+    tensors: dict[str, TensorValue] = {}
+    infos: dict[str, DatInfo] = {}
+    resources: dict[str, bytes] = {}
+    for m in members:
+        if m.name in (GRAPH_NNEF, GRAPH_QUANT):
+            continue
+        if m.name.endswith(".dat") and not any(m.name.startswith(s) for s in submodels):
+            label = m.name[: -len(".dat")]
+            tensors[label], infos[label] = decode_tensor(m.data, name=f"{where}/{m.name}", limits=limits)
+            continue
+        resources[m.name] = bytes(m.data)
+    model = Model(
+        document=document,
+        tensors=tensors,
+        quantization=quantization,
+        source=where,
+        text=text,
+        quant_text=quant_text,
+        resources=resources,
+        tensor_info=infos,
+    )
+    if check:
+        model.check_variables()
+    return model
+
+
+# ----------------------------------------------------------------------------------------------
+# save
+# ----------------------------------------------------------------------------------------------
+def model_members(model: Model, where: str = "<model>") -> dict[str, list[Buffer]]:
+    """Every member :func:`save` writes: name -> buffers."""
+    from ..grammar import dump, dump_quant
+
+    members: dict[str, list[Buffer]] = {GRAPH_NNEF: [dump(model.document).encode("utf-8")]}
+    if model.quantization is not None:
+        members[GRAPH_QUANT] = [dump_quant(model.quantization).encode("utf-8")]
+    for label, value in model.tensors.items():
+        name = label.lstrip("/") + ".dat"
+        if name in members:
+            raise ArchiveError(f"{where}: two tensors are stored as {name!r}")
+        info = model.tensor_info.get(label)
+        if info is not None and not info_fits(info, value):
+            info = None
+        members[name] = encode_parts(value, info, name=f"{where}/{name}")
+    for name, data in model.resources.items():
+        if name in members:
+            raise ArchiveError(f"{where}: resource {name!r} collides with a graph file or a tensor")
+        members[name] = [data]
+    return members
+
+
+def save(model: Model, path: str | os.PathLike) -> Path:
+    """Write ``model`` to a folder, ``.tar`` or ``.tgz``/``.tar.gz`` (chosen from the suffix).
+
+    Reproducible: the same model gives the same bytes. The target appears only complete.
+    """
+    where = os.fspath(path)
+    members = model_members(model, where)
+    write_container(where, members)
+    return Path(where)

@@ -1,0 +1,385 @@
+"""Byte containers of NNEF models: folders, tar and gzip-compressed tar files.
+
+Reading never extracts anything to disk. Members come back as :class:`Member` records holding a
+read-only buffer: for an uncompressed tar a ``memoryview`` into a memory map of the tar file, for a
+folder a memory map of the file, for a ``.tgz`` the member's decompressed bytes. Only regular files
+are accepted: absolute paths, ``..``, links, devices and FIFOs raise :class:`ArchiveError` naming the
+member. Like tract, ``./`` prefixes are stripped and any path with a component starting with ``.``
+is ignored. :class:`Limits` bound the member count, the decompressed bytes (counted while
+decompressing, so a gzip bomb stops early) and the size of each text and tensor member.
+
+Writing is reproducible: members sorted by name, mtime 0, uid/gid 0, empty user/group names,
+mode 0o644, POSIX pax format (pax records only for names that do not fit ustar), gzip with mtime 0
+and no file name; files are written through :func:`nnef_kv.atomic.atomic_write` and folders
+through :func:`nnef_kv.atomic.atomic_dir`.
+"""
+from __future__ import annotations
+
+import gzip
+import io
+import mmap
+import os
+import stat
+import tarfile
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO, Iterable, Iterator, Sequence
+
+from ..atomic import atomic_dir, atomic_write
+from ..errors import ArchiveError, LimitError
+from ..limits import DEFAULT_LIMITS, Limits
+from .dat import HEADER_SIZE
+
+GZIP_MAGIC = b"\x1f\x8b"
+TEXT_MEMBERS = ("graph.nnef", "graph.quant")
+
+Buffer = bytes | memoryview
+
+
+@dataclass(frozen=True)
+class Member:
+    """One regular file of a container: its normalised name and its bytes (read-only buffer)."""
+
+    name: str
+    data: Buffer
+
+    @property
+    def size(self) -> int:
+        return memoryview(self.data).nbytes
+
+
+# ----------------------------------------------------------------------------------------------
+# names
+# ----------------------------------------------------------------------------------------------
+def normalize_member_name(raw: str, where: str) -> str | None:
+    """The name tract would use for a member, or None when tract ignores it (hidden component).
+
+    Refuses absolute paths and ``..`` with :class:`ArchiveError`.
+    """
+    if raw.startswith("/"):
+        raise ArchiveError(f"{where}: member {raw!r} has an absolute path")
+    parts = [p for p in raw.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise ArchiveError(f"{where}: member {raw!r} escapes the archive ('..')")
+    if not parts or any(p.startswith(".") for p in parts):
+        return None
+    return "/".join(parts)
+
+
+def check_writable_name(name: str, where: str) -> str:
+    """A member name that reads back unchanged (no hidden or empty component, no '..')."""
+    parts = name.split("/")
+    if name.startswith("/") or any(p in ("", ".", "..") or p.startswith(".") for p in parts):
+        raise ArchiveError(f"{where}: cannot store member {name!r}: it would not read back under that name")
+    return name
+
+
+def is_tensor_name(name: str) -> bool:
+    return name.endswith(".dat")
+
+
+def _member_limit(name: str, size: int, limits: Limits, where: str) -> None:
+    base = name.rsplit("/", 1)[-1]
+    if base in TEXT_MEMBERS and size > limits.max_text_bytes:
+        raise LimitError(f"{where}: {name} is {size} bytes, over max_text_bytes={limits.max_text_bytes}")
+    if is_tensor_name(name) and size > limits.max_tensor_bytes + HEADER_SIZE:
+        raise LimitError(f"{where}: {name} is {size} bytes, over max_tensor_bytes={limits.max_tensor_bytes}")
+
+
+class _Budget:
+    """Counts members and bytes against the limits."""
+
+    def __init__(self, limits: Limits, where: str) -> None:
+        self.limits, self.where = limits, where
+        self.members = 0
+        self.bytes = 0
+
+    def member(self, name: str) -> None:
+        self.members += 1
+        if self.members > self.limits.max_members:
+            raise LimitError(f"{self.where}: more than max_members={self.limits.max_members} members (at {name})")
+
+    def add(self, n: int, name: str) -> None:
+        self.bytes += n
+        if self.bytes > self.limits.max_archive_bytes:
+            raise LimitError(
+                f"{self.where}: more than max_archive_bytes={self.limits.max_archive_bytes} bytes (at {name})"
+            )
+
+
+# ----------------------------------------------------------------------------------------------
+# reading
+# ----------------------------------------------------------------------------------------------
+def container_kind(path: str | os.PathLike) -> str:
+    """``"dir"``, ``"tgz"`` (gzip magic) or ``"tar"``."""
+    p = Path(path)
+    if p.is_dir():
+        return "dir"
+    try:
+        with open(p, "rb") as f:
+            head = f.read(2)
+    except OSError as e:
+        raise ArchiveError(f"{p}: cannot open ({e.strerror or e})") from None
+    return "tgz" if head == GZIP_MAGIC else "tar"
+
+
+def read_container(path: str | os.PathLike, limits: Limits | None = None) -> tuple[str, list[Member]]:
+    """``(kind, members)`` of a folder, tar or tgz; members sorted by name."""
+    limits = limits or DEFAULT_LIMITS
+    kind = container_kind(path)
+    reader = {"dir": _read_dir, "tar": _read_tar, "tgz": _read_tgz}[kind]
+    members = reader(Path(path), limits)
+    seen: set[str] = set()
+    for m in members:
+        if m.name in seen:
+            raise ArchiveError(f"{path}: duplicate member {m.name!r}")
+        seen.add(m.name)
+    return kind, sorted(members, key=lambda m: m.name)
+
+
+def _map_file(path: Path) -> Buffer:
+    with open(path, "rb") as f:
+        if os.fstat(f.fileno()).st_size == 0:
+            return b""
+        return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+
+
+def _read_dir(root: Path, limits: Limits) -> list[Member]:
+    where = str(root)
+    budget = _Budget(limits, where)
+    out: list[Member] = []
+
+    def walk(folder: Path, prefix: str) -> None:
+        try:
+            entries = sorted(os.scandir(folder), key=lambda e: e.name)
+        except OSError as e:
+            raise ArchiveError(f"{folder}: cannot list ({e.strerror or e})") from None
+        for entry in entries:
+            if entry.name.startswith("."):
+                continue  # tract ignores hidden components
+            name = prefix + entry.name
+            budget.member(name)
+            if entry.is_symlink():
+                raise ArchiveError(f"{where}: member {name!r} is a symbolic link")
+            if entry.is_dir(follow_symlinks=False):
+                walk(Path(entry.path), name + "/")
+                continue
+            st = entry.stat(follow_symlinks=False)
+            if not stat.S_ISREG(st.st_mode):
+                raise ArchiveError(f"{where}: member {name!r} is not a regular file")
+            _member_limit(name, st.st_size, limits, where)
+            budget.add(st.st_size, name)
+            try:
+                out.append(Member(name, _map_file(Path(entry.path))))
+            except OSError as e:
+                raise ArchiveError(f"{where}: cannot read {name!r} ({e.strerror or e})") from None
+
+    walk(root, "")
+    return out
+
+
+def _check_tarinfo(ti: tarfile.TarInfo, where: str) -> bool:
+    """True for a regular file to read, False for a directory to skip; raises for anything else."""
+    if ti.isdir():
+        return False
+    kinds = (
+        (ti.issym(), "is a symbolic link"),
+        (ti.islnk(), "is a hard link"),
+        (ti.ischr() or ti.isblk(), "is a device"),
+        (ti.isfifo(), "is a FIFO"),
+        (ti.issparse(), "is a sparse file"),
+    )
+    for bad, what in kinds:
+        if bad:
+            raise ArchiveError(f"{where}: member {ti.name!r} {what}")
+    if not ti.isreg():
+        raise ArchiveError(f"{where}: member {ti.name!r} is not a regular file (type {ti.type!r})")
+    return True
+
+
+def _iter_tar(tf: tarfile.TarFile, where: str, budget: _Budget) -> Iterator[tuple[tarfile.TarInfo, str]]:
+    while True:
+        try:
+            ti = tf.next()
+        except tarfile.TarError as e:
+            raise ArchiveError(f"{where}: not a valid tar archive ({e})") from None
+        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+            raise ArchiveError(f"{where}: corrupt or truncated archive ({e})") from None
+        if ti is None:
+            return
+        budget.member(ti.name)
+        name = normalize_member_name(ti.name, where)
+        if name is None:  # hidden component: ignored whatever it is, as tract does
+            continue
+        if _check_tarinfo(ti, where):
+            yield ti, name
+
+
+def _read_tar(path: Path, limits: Limits) -> list[Member]:
+    where = str(path)
+    budget = _Budget(limits, where)
+    out: list[Member] = []
+    try:
+        f = open(path, "rb")
+    except OSError as e:
+        raise ArchiveError(f"{where}: cannot open ({e.strerror or e})") from None
+    with f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ArchiveError(f"{where}: empty file, not a tar archive")
+        whole = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+        try:
+            tf = tarfile.open(fileobj=f, mode="r:")
+        except tarfile.TarError as e:
+            raise ArchiveError(f"{where}: not a tar archive ({e})") from None
+        for ti, name in _iter_tar(tf, where, budget):
+            _member_limit(name, ti.size, limits, where)
+            budget.add(ti.size, name)
+            end = ti.offset_data + ti.size
+            if end > size:
+                raise ArchiveError(f"{where}: member {name!r} is truncated")
+            out.append(Member(name, whole[ti.offset_data : end]))
+    return out
+
+
+class _CountingReader(io.RawIOBase):
+    """Decompressed stream that raises LimitError once more than max_archive_bytes came out."""
+
+    def __init__(self, inner: BinaryIO, budget: _Budget) -> None:
+        self.inner, self.budget = inner, budget
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        try:
+            n = self.inner.readinto(b)  # type: ignore[attr-defined]
+        except (EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
+            raise ArchiveError(f"{self.budget.where}: corrupt or truncated gzip data ({e})") from None
+        self.budget.add(n or 0, "<gzip stream>")
+        return n or 0
+
+
+def _read_tgz(path: Path, limits: Limits) -> list[Member]:
+    where = str(path)
+    budget = _Budget(limits, where)
+    out: list[Member] = []
+    try:
+        raw = open(path, "rb")
+    except OSError as e:
+        raise ArchiveError(f"{where}: cannot open ({e.strerror or e})") from None
+    with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+        stream = io.BufferedReader(_CountingReader(gz, budget), buffer_size=1 << 16)
+        try:
+            tf = tarfile.open(fileobj=stream, mode="r|")
+        except tarfile.TarError as e:
+            raise ArchiveError(f"{where}: not a gzip-compressed tar archive ({e})") from None
+        for ti, name in _iter_tar(tf, where, budget):
+            _member_limit(name, ti.size, limits, where)
+            fobj = tf.extractfile(ti)
+            assert fobj is not None
+            try:
+                data = fobj.read()
+            except tarfile.TarError as e:
+                raise ArchiveError(f"{where}: member {name!r} is truncated ({e})") from None
+            if len(data) != ti.size:
+                raise ArchiveError(f"{where}: member {name!r} is truncated")
+            out.append(Member(name, data))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# writing
+# ----------------------------------------------------------------------------------------------
+class _PartsReader(io.RawIOBase):
+    """A file object reading a sequence of buffers without joining them."""
+
+    def __init__(self, parts: Sequence[Buffer]) -> None:
+        self.parts = [memoryview(p).cast("B") for p in parts]
+        self.i, self.pos = 0, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, b) -> int:  # type: ignore[override]
+        out = memoryview(b).cast("B")
+        n = 0
+        while n < len(out) and self.i < len(self.parts):
+            part = self.parts[self.i]
+            take = min(len(out) - n, len(part) - self.pos)
+            out[n : n + take] = part[self.pos : self.pos + take]
+            n += take
+            self.pos += take
+            if self.pos == len(part):
+                self.i, self.pos = self.i + 1, 0
+        return n
+
+
+def container_kind_for_suffix(path: str | os.PathLike) -> str:
+    """Format chosen from a target name: ``.tgz``/``.tar.gz`` -> tgz, ``.tar`` -> tar, else folder."""
+    name = Path(path).name.lower()
+    if name.endswith((".tgz", ".tar.gz")):
+        return "tgz"
+    if name.endswith(".tar"):
+        return "tar"
+    return "dir"
+
+
+def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.size = size
+    ti.mtime = 0
+    ti.mode = 0o644
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    ti.type = tarfile.REGTYPE
+    return ti
+
+
+def write_tar_stream(fileobj: BinaryIO, members: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
+    """Write a reproducible tar of ``(name, buffers)`` (already sorted) to ``fileobj``."""
+    with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8") as tf:
+        for name, parts in members:
+            size = sum(memoryview(p).nbytes for p in parts)
+            tf.addfile(_tarinfo(name, size), io.BufferedReader(_PartsReader(parts), buffer_size=1 << 20))
+
+
+def default_mode(base: int = 0o666) -> int:
+    """``base`` minus the process umask: the mode ``open()`` would give a new file.
+
+    Temporary files of :mod:`nnef_kv.atomic` are created 0600 (folders 0700); the outputs get
+    the usual permissions instead.
+    """
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return base & ~mask
+
+
+def write_container(path: str | os.PathLike, members: dict[str, Sequence[Buffer]], kind: str | None = None) -> str:
+    """Write ``members`` (name -> buffers) as a folder, tar or tgz (from the suffix); returns the kind."""
+    kind = kind or container_kind_for_suffix(path)
+    where = str(path)
+    names = sorted(members)
+    for n in names:
+        check_writable_name(n, where)
+    if kind == "dir":
+        with atomic_dir(path) as tmp:
+            os.chmod(tmp, default_mode(0o777))
+            for n in names:
+                target = tmp.joinpath(*n.split("/"))
+                target.parent.mkdir(parents=True, exist_ok=True)
+                with open(target, "wb") as f:
+                    for p in members[n]:
+                        f.write(p)
+        return kind
+    with atomic_write(path) as f:
+        os.fchmod(f.fileno(), default_mode())
+        if kind == "tgz":
+            with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=6) as gz:
+                write_tar_stream(gz, ((n, members[n]) for n in names))  # type: ignore[arg-type]
+        elif kind == "tar":
+            write_tar_stream(f, ((n, members[n]) for n in names))
+        else:
+            raise ArchiveError(f"{where}: unknown container kind {kind!r}")
+    return kind
