@@ -1,16 +1,32 @@
 """The ``nnef-kv`` command line (also ``python -m nnef_kv``).
 
-Errors are one readable line on stderr and exit code 2 (no traceback unless ``--debug``).
+Commands: ``inspect``, ``convert``, ``run``, ``generate``, ``validate``, ``demo`` (``nnef-kv COMMAND -h``).
+
+Errors are one readable line on stderr and exit code 2 (no traceback unless ``--debug``, accepted
+anywhere on the line). Option values are checked before any work, so a refused command writes nothing.
+``validate`` exits 1 when a check or a threshold given on the command line is not met.
+
+``run`` input convention (``--inputs io.npz``): a key ``NAME`` is fed to graph input ``NAME`` at every
+step; ``NAME@K`` is fed at step ``K`` only (0-based) and wins over ``NAME``. The number of steps is
+``--steps`` or else ``1 + the largest K``. An explicit cache input (``in_cache_*``...) missing at a step is
+fed from the previous step's matching output (``out_cache_*``), empty at step 0. Keys named like a
+graph *output* are taken as expected values: the max |difference| is printed next to the stats.
+With ``-o out.npz`` the outputs are saved under the same convention (``NAME`` for one step, else
+``NAME@K``).
 """
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+import time
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from .errors import NnefKvError
 
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 
 
@@ -18,6 +34,16 @@ class CliError(NnefKvError):
     """A bad command line (missing file, bad option value)."""
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with one-line errors (exit code 2)."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
+
+
+# ----------------------------------------------------------------------------------------------
+# option checks (before any work)
+# ----------------------------------------------------------------------------------------------
 def _existing_path(value: str) -> Path:
     p = Path(value)
     if not p.exists():
@@ -25,45 +51,433 @@ def _existing_path(value: str) -> Path:
     return p
 
 
+def _int_at_least(name: str, value: Any, low: int) -> int:
+    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise CliError(f"{name} {value}: must be an integer >= {low}")
+    return value
+
+
+def _fraction(name: str, value: float | None, low: float = 0.0, high: float = math.inf) -> float | None:
+    if value is None:
+        return None
+    if not (math.isfinite(value) or value == math.inf) or not low <= value <= high:
+        bound = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
+        raise CliError(f"{name} {value}: must be {bound}")
+    return value
+
+
+def _parse_ids(text: str | None, what: str = "--prompt-ids") -> list[int] | None:
+    if text is None:
+        return None
+    parts = [t for t in text.replace(" ", ",").split(",") if t]
+    if not parts:
+        raise CliError(f"{what}: no token ids given")
+    ids = []
+    for t in parts:
+        try:
+            v = int(t)
+        except ValueError:
+            raise CliError(f"{what}: {t!r} is not an integer token id") from None
+        if v < 0:
+            raise CliError(f"{what}: token id {v} is negative")
+        ids.append(v)
+    return ids
+
+
+def _check_output_path(out: str, inputs: Sequence[Path]) -> Path:
+    p = Path(out)
+    for i in inputs:
+        try:
+            if p.exists() and p.resolve() == i.resolve():
+                raise CliError(f"{out}: the output would overwrite the input")
+        except OSError:
+            pass
+    if p.exists() and p.is_dir() and not (p / "graph.nnef").exists() and any(p.iterdir()):
+        raise CliError(f"{out}: a non-empty folder that is not a model archive; refusing to replace it")
+    return p
+
+
+# ----------------------------------------------------------------------------------------------
+# commands
+# ----------------------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> int:
     from .io.archive import load
     from .summary import summarize
 
     model = load(_existing_path(args.archive))
     print(summarize(model).to_text())
-    return 0
+    return EXIT_OK
 
 
-COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {"inspect": cmd_inspect}
+def _load_any(path: Path) -> Any:
+    if path.suffix.lower() == ".onnx":
+        from .converters import onnx_to_nnef
+
+        got = onnx_to_nnef(str(path))
+        return got[0] if isinstance(got, tuple) else got
+    from .io.archive import load
+
+    return load(path)
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from .converters import ConvertOptions, convert
+    from .io.archive import save
+    from .progress import progress_bar
+
+    opts = ConvertOptions(args.scheme, args.bits, args.key_group, args.value_group, args.residual, args.sinks).validate()
+    src = _existing_path(args.input)
+    out = _check_output_path(args.output, [src])
+    t0 = time.perf_counter()
+    with progress_bar(f"converting {src.name}", total=3) as advance:
+        model = _load_any(src)
+        advance()
+        converted, report = convert(model, **opts.as_dict())
+        advance()
+        save(converted, out)
+        advance()
+    for line in getattr(report, "attentions", []) or []:
+        print(f"  {line}")
+    bits = "8 (fixed)" if opts.scheme == "tract" else str(opts.bits)
+    print(f"converted {len(getattr(report, 'attentions', []) or [])} attention block(s) of {src} with scheme "
+          f"{opts.scheme}, {bits} bits -> {out} ({time.perf_counter() - t0:.2f} s)")
+    return EXIT_OK
+
+
+def _npz_feeds(npz: dict[str, Any], inputs: list[str], outputs: list[str], where: str
+               ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], dict[str, Any], dict[int, dict[str, Any]], int]:
+    """Split npz keys into (every-step inputs, per-step inputs, every-step expected, per-step expected, max K)."""
+    common: dict[str, Any] = {}
+    per: dict[int, dict[str, Any]] = {}
+    exp_common: dict[str, Any] = {}
+    exp_per: dict[int, dict[str, Any]] = {}
+    last = -1
+    for key, value in npz.items():
+        name, _, step = key.partition("@")
+        k: int | None = None
+        if step:
+            if not step.isdigit():
+                raise CliError(f"{where}: key {key!r}: the step after '@' must be a non-negative integer")
+            k = int(step)
+            last = max(last, k)
+        if name in inputs:
+            (common if k is None else per.setdefault(k, {}))[name] = value
+        elif name in outputs:
+            (exp_common if k is None else exp_per.setdefault(k, {}))[name] = value
+        else:
+            raise CliError(f"{where}: key {key!r} names no graph input or output (inputs: {', '.join(inputs)})")
+    return common, per, exp_common, exp_per, last
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    import numpy as np
+
+    from .atomic import atomic_write
+    from .io.archive import load
+    from .progress import progress_bar
+    from .validate.decode import detect_signature
+
+    if args.steps is not None:
+        _int_at_least("--steps", args.steps, 1)
+    src = _existing_path(args.archive)
+    npz_path = _existing_path(args.inputs)
+    out_path = _check_output_path(args.output, [src, npz_path]) if args.output else None
+    try:
+        with np.load(npz_path, allow_pickle=False) as z:
+            npz = {k: z[k] for k in z.files}
+    except (OSError, ValueError) as exc:
+        raise CliError(f"{npz_path}: not a readable .npz file: {exc}") from None
+    model = load(src)
+    session = model.session()
+    inputs, outputs = list(session.input_names), list(session.output_names)
+    common, per, exp_common, exp_per, last = _npz_feeds(npz, inputs, outputs, str(npz_path))
+    steps = args.steps if args.steps is not None else max(1, last + 1)
+    try:
+        sig = detect_signature(session.plan, str(src))
+        feedback = dict(sig.cache_outputs) if sig.explicit else {}
+        empty = sig.empty_caches() if sig.explicit else {}
+    except NnefKvError:
+        feedback, empty = {}, {}
+    results: list[dict[str, Any]] = []
+    prev: dict[str, Any] = {}
+    with progress_bar(f"running {src.name}", total=steps) as advance:
+        for k in range(steps):
+            feed = dict(common)
+            feed.update(per.get(k, {}))
+            for name in inputs:
+                if name in feed:
+                    continue
+                if name in feedback and (k > 0 or name in empty):
+                    feed[name] = prev[feedback[name]] if k > 0 else empty[name]
+                else:
+                    raise CliError(f"{npz_path}: no value for input '{name}' at step {k} (keys '{name}' or "
+                                   f"'{name}@{k}')")
+            res = session.run(feed)
+            results.append(res)
+            prev = res
+            advance()
+    for k, res in enumerate(results):
+        expected = dict(exp_common)
+        expected.update(exp_per.get(k, {}))
+        for name, arr in res.items():
+            a = np.asarray(arr)
+            line = f"step {k} {name}: {a.dtype} {list(a.shape)}"
+            if a.size and a.dtype.kind in "fiub":
+                af = a.astype(np.float64)
+                nan = int(np.isnan(af).sum())
+                fin = af[np.isfinite(af)]
+                if fin.size:
+                    line += f" min {fin.min():.6g} max {fin.max():.6g} mean {fin.mean():.6g}"
+                line += f" NaN {nan}"
+            if name in expected:
+                e = np.asarray(expected[name])
+                if e.shape == a.shape:
+                    line += f" | max|diff| vs npz {float(np.max(np.abs(a.astype(np.float64) - e))) if a.size else 0.0:.3g}"
+                else:
+                    line += f" | npz has shape {list(e.shape)}"
+            print(line)
+    if out_path is not None:
+        arrays = {}
+        for k, res in enumerate(results):
+            for name, arr in res.items():
+                arrays[name if steps == 1 else f"{name}@{k}"] = np.asarray(arr)
+        with atomic_write(out_path) as f:
+            np.savez(f, **arrays)
+        print(f"wrote {len(arrays)} arrays to {out_path}")
+    return EXIT_OK
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from .io.archive import load
+    from .validate.decode import InterpreterDecoder, run_decode
+
+    prompt = _parse_ids(args.prompt_ids)
+    assert prompt is not None
+    n = _int_at_least("--max-new-tokens", args.max_new_tokens, 1)
+    src = _existing_path(args.archive)
+    model = load(src)
+    decoder = InterpreterDecoder(model)
+    out = sys.stdout
+    produced: list[int] = []
+
+    def on_token(tok: int) -> None:
+        produced.append(tok)
+        out.write(("" if len(produced) == 1 else " ") + str(tok))
+        out.flush()
+
+    t0 = time.perf_counter()
+    trace = run_decode(decoder, prompt, n - 1, on_token=on_token)
+    out.write("\n")
+    out.flush()
+    dt = time.perf_counter() - t0
+    kv = trace.kv_bytes.get("total", 0)
+    kind = "explicit cache" if decoder.sig.explicit else "session cache"
+    print(f"{len(produced)} tokens in {dt:.2f} s ({len(produced) / dt if dt else 0:.1f} tok/s), {kind}, "
+          f"KV {kv:,} bytes at {len(trace.tokens)} positions", file=sys.stderr)
+    return EXIT_OK
+
+
+def _validate_options(args: argparse.Namespace) -> Any:
+    from .validate.runner import ValidateOptions
+
+    steps = _int_at_least("--steps", args.steps, 0)
+    plen = _int_at_least("--prompt-len", args.prompt_len, 1)
+    return ValidateOptions(
+        steps=steps, prompt_ids=_parse_ids(args.prompt_ids), prompt_len=plen,
+        max_attention_deviation=_fraction("--max-attention-deviation", args.max_attention_deviation),
+        min_token_agreement=_fraction("--min-token-agreement", args.min_token_agreement, 0.0, 1.0),
+        max_kl=_fraction("--max-kl", args.max_kl),
+        parity=not args.no_parity,
+    )
+
+
+def _print_validation(rep: Any) -> None:
+    print(f"validate {rep.archive}" + (f" against {rep.reference}" if rep.reference else ""))
+    for c in rep.checks:
+        print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+    for n in rep.notes:
+        print(f"  note: {n}")
+    p = rep.parity
+    if p is not None and p.status == "skipped":
+        print(f"  [--] tract parity: skipped: {p.reason}")
+    c = rep.cost
+    if c is not None:
+        kl = c.kl_stats()
+        att = "n/a" if c.attention_max is None else f"{c.attention_max:.4g} worst, {c.attention_mean:.4g} mean"
+        ratio = "n/a" if c.kv_ratio is None else f"{c.kv_ratio:.3f}"
+        print(f"  attention deviation: {att}")
+        print(f"  greedy-token agreement: {c.token_agreement:.4f} over {c.calls} calls")
+        print(f"  KL(p_ref||p): mean {kl.get('mean', float('nan')):.4g}, p99 {kl.get('p99', float('nan')):.4g}, "
+              f"max {kl.get('max', float('nan')):.4g} nats")
+        print(f"  KV bytes: {c.kv_bytes.get('total', 0):,} vs f32 {c.ref_kv_bytes.get('total', 0):,} (ratio {ratio})")
+    elif rep.trace_kv_bytes:
+        print(f"  KV bytes at the end of the decode: {rep.trace_kv_bytes.get('total', 0):,}")
+    print("PASS" if rep.ok else "FAIL")
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from .io.archive import load
+    from .progress import progress_bar
+    from .validate.report import write_report
+    from .validate.runner import validate_model
+
+    opts = _validate_options(args)
+    src = _existing_path(args.archive)
+    ref_path = _existing_path(args.reference) if args.reference else None
+    if args.report_dir:
+        rd = Path(args.report_dir)
+        if rd.exists() and not rd.is_dir():
+            raise CliError(f"{rd}: --report-dir exists and is not a folder")
+    model = load(src)
+    reference = load(ref_path) if ref_path else None
+    runs = (opts.steps + 1) * (3 if reference is not None else 2)  # reference, archive, tract
+    with progress_bar(f"validating {src.name}", total=runs) as advance:
+        rep = validate_model(model, reference, opts, progress=advance, path=str(src))
+    _print_validation(rep)
+    if args.report_dir:
+        paths = write_report(rep, args.report_dir)
+        print(f"report: {', '.join(str(p) for p in paths)}")
+    return EXIT_OK if rep.ok else EXIT_CHECK_FAILED
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from .models import DecoderConfig
+    from .progress import progress_bar
+    from .validate.demo import DemoOptions, format_table, run_demo
+
+    bits = _parse_ids(args.bits, "--bits") or []
+    for b in bits:
+        if not 1 <= b <= 8:
+            raise CliError(f"--bits {b}: kivi takes 1..8 bits")
+    cfg = DecoderConfig(vocab=_int_at_least("--vocab", args.vocab, 2), hidden=_int_at_least("--hidden", args.hidden, 1),
+                        layers=_int_at_least("--layers", args.layers, 1), heads=_int_at_least("--heads", args.heads, 1),
+                        kv_heads=_int_at_least("--kv-heads", args.kv_heads, 1),
+                        head_dim=_int_at_least("--head-dim", args.head_dim, 2), mlp=_int_at_least("--mlp", args.mlp, 1),
+                        seed=_int_at_least("--seed", args.seed, 0), cache=args.cache)
+    cfg.validate()
+    opts = DemoOptions(config=cfg, bits=tuple(bits), tract=not args.no_tract,
+                       prompt_len=_int_at_least("--prompt-len", args.prompt_len, 1),
+                       steps=_int_at_least("--steps", args.steps, 0), report_dir=args.report_dir,
+                       key_group=_int_at_least("--key-group", args.key_group, 1),
+                       value_group=_int_at_least("--value-group", args.value_group, 1),
+                       residual=_int_at_least("--residual", args.residual, 0),
+                       save_dir=args.save_dir)
+    t0 = time.perf_counter()
+    with progress_bar("demo: decoding and validating", total=None) as advance:
+        rows = run_demo(opts, progress=advance)
+    print(format_table(rows, opts))
+    print(f"({time.perf_counter() - t0:.1f} s)")
+    return EXIT_OK
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "inspect": cmd_inspect,
+    "convert": cmd_convert,
+    "run": cmd_run,
+    "generate": cmd_generate,
+    "validate": cmd_validate,
+    "demo": cmd_demo,
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="nnef-kv", description="NNEF archives with a quantized KV cache.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p = _Parser(prog="nnef-kv", description="NNEF archives with a quantized KV cache.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors (accepted anywhere)")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
+
     sp = sub.add_parser("inspect", help="graph summary: inputs, outputs, op counts, parameter bytes, KV layout")
     sp.add_argument("archive", help="NNEF folder, .tar or .tgz")
+
+    sp = sub.add_parser("convert", help="rewrite a decoder's attention/KV cache to a quantized KV cache")
+    sp.add_argument("input", help="NNEF folder, .tar, .tgz, or .onnx")
+    sp.add_argument("-o", "--output", required=True, help="output archive (folder, .tar, .tgz)")
+    sp.add_argument("--scheme", default="kivi", choices=["kivi", "tract", "tract-cache"],
+                    help="kivi: nnef_kv_kivi_sdpa (1..8 bits); tract: tract_transformers_quantized_kv_sdpa (8 bits); "
+                         "tract-cache: tract_transformers_quantized_dyn_kv_cache (4 or 8 bits)")
+    sp.add_argument("--bits", type=int, default=4)
+    sp.add_argument("--key-group", type=int, default=32)
+    sp.add_argument("--value-group", type=int, default=32)
+    sp.add_argument("--residual", type=int, default=32, help="newest tokens kept in full precision")
+    sp.add_argument("--sinks", type=int, default=0, help="first tokens kept in full precision")
+
+    sp = sub.add_parser("run", help="run an archive on inputs from an .npz, one or several steps",
+                        description="NPZ keys: NAME (every step) or NAME@K (step K). Missing explicit caches are fed "
+                                    "back from the previous step's outputs (empty at step 0).")
+    sp.add_argument("archive")
+    sp.add_argument("--inputs", required=True, help=".npz of inputs (NAME or NAME@STEP keys)")
+    sp.add_argument("-o", "--output", help="write outputs to this .npz")
+    sp.add_argument("--steps", type=int, help="number of runs (default: 1 + the largest @STEP)")
+
+    sp = sub.add_parser("generate", help="greedy decoding of an LLM archive (token ids in, ids streamed out)")
+    sp.add_argument("archive")
+    sp.add_argument("--prompt-ids", required=True, help="comma-separated token ids, e.g. 1,2,3")
+    sp.add_argument("--max-new-tokens", type=int, default=16)
+
+    sp = sub.add_parser("validate", help="round trip, tract parity and numeric cost vs an f32 reference")
+    sp.add_argument("archive")
+    sp.add_argument("--reference", help="the f32 archive the one under test was converted from")
+    sp.add_argument("--report-dir", help="write report.json, report.md and report.png here")
+    sp.add_argument("--steps", type=int, default=32, help="one-token decode calls after the prompt (default 32)")
+    sp.add_argument("--prompt-ids", help="comma-separated prompt ids (default: --prompt-len seeded random ids)")
+    sp.add_argument("--prompt-len", type=int, default=16)
+    sp.add_argument("--max-attention-deviation", type=float, help="fail when the worst attention deviation is above")
+    sp.add_argument("--min-token-agreement", type=float, help="fail when the greedy-token agreement is below (0..1)")
+    sp.add_argument("--max-kl", type=float, help="fail when the mean KL(p_ref||p) (nats) is above")
+    sp.add_argument("--no-parity", action="store_true", help="do not run tract")
+
+    sp = sub.add_parser("demo", help="build a small decoder, quantize its KV cache at several bit widths, compare")
+    sp.add_argument("--bits", default="8,4,2", help="kivi bit widths (default 8,4,2)")
+    sp.add_argument("--no-tract", action="store_true", help="skip the tract scheme row")
+    sp.add_argument("--key-group", type=int, default=32)
+    sp.add_argument("--value-group", type=int, default=32)
+    sp.add_argument("--residual", type=int, default=32)
+    sp.add_argument("--prompt-len", type=int, default=64)
+    sp.add_argument("--steps", type=int, default=192)
+    sp.add_argument("--vocab", type=int, default=128)
+    sp.add_argument("--hidden", type=int, default=64)
+    sp.add_argument("--layers", type=int, default=2)
+    sp.add_argument("--heads", type=int, default=4)
+    sp.add_argument("--kv-heads", type=int, default=2)
+    sp.add_argument("--head-dim", type=int, default=16)
+    sp.add_argument("--mlp", type=int, default=128)
+    sp.add_argument("--seed", type=int, default=0)
+    sp.add_argument("--cache", default="explicit", choices=["explicit", "dyn"])
+    sp.add_argument("--report-dir", help="write one validation report per row into this folder")
+    sp.add_argument("--save-dir", help="keep the f32 and converted archives in this folder")
     return p
 
 
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
-    except SystemExit as exc:  # argparse already printed its message
-        return int(exc.code or 0) and EXIT_USAGE
+    except SystemExit as exc:  # argparse already printed its message (or the help)
+        return EXIT_OK if exc.code in (0, None) else EXIT_USAGE
+    args.debug = debug
     try:
         return COMMANDS[args.command](args)
-    except NnefKvError as exc:
-        if args.debug:
-            raise
-        print(f"nnef-kv {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
     except KeyboardInterrupt:
         print("nnef-kv: interrupted", file=sys.stderr)
         return 130
+    except NnefKvError as exc:
+        if debug:
+            raise
+        print(f"nnef-kv {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (OSError, MemoryError) as exc:
+        if debug:
+            raise
+        print(f"nnef-kv {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except Exception as exc:  # a bug: still one line; --debug shows the traceback
+        if debug:
+            raise
+        print(f"nnef-kv {args.command}: internal error: {type(exc).__name__}: {exc} (rerun with --debug)",
+              file=sys.stderr)
+        return EXIT_USAGE
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,0 +1,316 @@
+"""A small LLaMA-style decoder written as NNEF text, with deterministic random weights.
+
+The graph follows what torch-to-nnef's LLM export writes (see ``shared/fixtures/README.md``):
+
+* ``cache="explicit"`` (default): inputs ``input_ids [1, S]`` (i64) and, per layer ``l``,
+  ``in_cache_key_l`` / ``in_cache_value_l [1, kv_heads, P, head_dim]``; outputs ``outputs [1, 1, vocab]``
+  (logits of the last position) then ``out_cache_key_l`` / ``out_cache_value_l [1, kv_heads, P+S, head_dim]``
+  (``concat([in_cache, new], axis = 2)``). Keys are cached after RoPE. Attention is plain
+  ``matmul`` / ``softmax`` / ``matmul`` with an in-graph causal mask; grouped-query attention repeats
+  the KV heads with ``unsqueeze`` / ``tile`` / ``reshape`` as the exporter does.
+* ``cache="dyn"``: the cache lives in the session (``tract_transformers_dyn_kv_cache`` per K and V)
+  and attention is ``tract_transformers_sdpa``; the only input is ``input_ids`` and the only output
+  ``outputs``. The past length is read from layer 0's value cache (values need no position), so the
+  graph needs no position input.
+
+Blocks: token embedding (gather), per layer RMSNorm -> Q/K/V projections -> RoPE (rotate-half, theta
+``rope_theta``) -> attention -> output projection -> residual, RMSNorm -> SwiGLU MLP -> residual; final
+RMSNorm and LM head on the last position.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = ["DecoderConfig", "build_decoder_text", "build_decoder_weights", "build_decoder", "empty_cache",
+           "cache_input_names", "cache_output_names"]
+
+_CACHE_KINDS = ("explicit", "dyn")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    """Sizes and seed of the built-in decoder. ``heads`` must be a multiple of ``kv_heads``."""
+
+    vocab: int = 128
+    hidden: int = 64
+    layers: int = 2
+    heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 16
+    mlp: int = 128
+    rope_theta: float = 10000.0
+    eps: float = 1e-5
+    max_positions: int = 4096
+    seed: int = 0
+    init_std: float = 0.1
+    cache: str = "explicit"
+    name: str = field(default="nnef_kv_tiny_llama")
+
+    def validate(self) -> None:
+        from ..errors import GraphError
+
+        for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "max_positions"):
+            if int(getattr(self, k)) < 1:
+                raise GraphError(f"decoder config: {k} must be >= 1, got {getattr(self, k)}")
+        if self.heads % self.kv_heads:
+            raise GraphError(f"decoder config: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.head_dim % 2:
+            raise GraphError(f"decoder config: head_dim must be even for RoPE, got {self.head_dim}")
+        if self.cache not in _CACHE_KINDS:
+            raise GraphError(f"decoder config: cache must be one of {_CACHE_KINDS}, got {self.cache!r}")
+
+    @property
+    def groups(self) -> int:
+        return self.heads // self.kv_heads
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def cache_input_names(cfg: DecoderConfig) -> list[str]:
+    """``in_cache_key_0, in_cache_value_0, in_cache_key_1, ...`` (empty for ``cache="dyn"``)."""
+    if cfg.cache != "explicit":
+        return []
+    return [f"in_cache_{kv}_{l}" for l in range(cfg.layers) for kv in ("key", "value")]
+
+
+def cache_output_names(cfg: DecoderConfig) -> list[str]:
+    return [n.replace("in_", "out_", 1) for n in cache_input_names(cfg)]
+
+
+def empty_cache(cfg: DecoderConfig) -> dict[str, np.ndarray]:
+    """Empty (P = 0) cache inputs for the first call of an explicit-cache decoder."""
+    return {n: np.zeros((1, cfg.kv_heads, 0, cfg.head_dim), np.float32) for n in cache_input_names(cfg)}
+
+
+# ----------------------------------------------------------------------------------------------
+# weights
+# ----------------------------------------------------------------------------------------------
+def build_decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
+    """Deterministic weights (NumPy ``default_rng(seed)``), labelled like a HF LLaMA export.
+
+    Projections are ``N(0, init_std)``; norm weights ``1 + 0.2 N(0, 1)`` (not all ones, so no exporter
+    would fold them away); K projections get a few amplified channels, as real models have outlier
+    key channels (what makes per-channel key quantization matter).
+    """
+    cfg.validate()
+    rng = np.random.default_rng(cfg.seed)
+    h, d = cfg.hidden, cfg.head_dim
+
+    def w(*shape: int, std: float | None = None) -> np.ndarray:
+        return (rng.standard_normal(shape) * (cfg.init_std if std is None else std)).astype(np.float32)
+
+    def norm() -> np.ndarray:
+        return (1.0 + 0.2 * rng.standard_normal(h)).astype(np.float32)
+
+    t: dict[str, np.ndarray] = {"model.embed_tokens.weight": w(cfg.vocab, h, std=1.0)}
+    for l in range(cfg.layers):
+        p = f"model.layers.{l}."
+        t[p + "input_layernorm.weight"] = norm()
+        t[p + "self_attn.q_proj.weight"] = w(cfg.heads * d, h)
+        k = w(cfg.kv_heads * d, h)
+        outlier_rows = rng.choice(cfg.kv_heads * d, size=max(1, cfg.kv_heads * d // 16), replace=False)
+        k[outlier_rows] *= 4.0
+        t[p + "self_attn.k_proj.weight"] = k
+        t[p + "self_attn.v_proj.weight"] = w(cfg.kv_heads * d, h)
+        t[p + "self_attn.o_proj.weight"] = w(h, cfg.heads * d)
+        t[p + "post_attention_layernorm.weight"] = norm()
+        t[p + "mlp.gate_proj.weight"] = w(cfg.mlp, h)
+        t[p + "mlp.up_proj.weight"] = w(cfg.mlp, h)
+        t[p + "mlp.down_proj.weight"] = w(h, cfg.mlp)
+    t["model.norm.weight"] = norm()
+    t["lm_head.weight"] = w(cfg.vocab, h)
+    inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
+    t["model.rotary_emb.inv_freq"] = inv.astype(np.float32)
+    return t
+
+
+# ----------------------------------------------------------------------------------------------
+# graph text
+# ----------------------------------------------------------------------------------------------
+class _Writer:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def __call__(self, lhs: str, rhs: str) -> str:
+        self.lines.append(f"    {lhs} = {rhs};")
+        return lhs
+
+
+def _var(out: _Writer, name: str, label: str, shape: tuple[int, ...]) -> str:
+    dims = ", ".join(str(s) for s in shape)
+    return out(name, f"variable<scalar>(label = '{label}', shape = [{dims}])")
+
+
+def _dim(out: _Writer, x: str, axis: int, name: str) -> str:
+    """A rank-0 tensor holding ``x.shape[axis]`` (the exporter's shape_of / slice / squeeze)."""
+    shp = out(f"{name}_shape", f"tract_core_shape_of({x})")
+    sl = out(f"{name}_sliced", f"slice({shp}, axes = [0], begin = [{axis}], end = [{axis + 1}], stride = [1])")
+    return out(name, f"squeeze({sl}, axes = [0])")
+
+
+def _rmsnorm(out: _Writer, x: str, label: str, prefix: str, cfg: DecoderConfig) -> str:
+    sq = out(f"{prefix}_pow", f"sqr({x})")
+    mean = out(f"{prefix}_variance", f"mean_reduce({sq}, axes = [2])")
+    add = out(f"{prefix}_add", f"add({mean}, {float(cfg.eps)!r})")
+    rs = out(f"{prefix}_rsqrt", f"rsqrt({add})")
+    normed = out(f"{prefix}_normed", f"mul({x}, {rs})")
+    wv = _var(out, f"{prefix}_weight", label, (cfg.hidden,))
+    we = out(f"{prefix}_weight_expanded", f"unsqueeze({wv}, axes = [0, 1])")
+    return out(f"{prefix}_out", f"mul({we}, {normed})")
+
+
+def _linear(out: _Writer, x: str, label: str, shape: tuple[int, int], name: str) -> str:
+    wv = _var(out, f"{name}_weight", label, shape)
+    we = out(f"{name}_weight_expanded", f"unsqueeze({wv}, axes = [0])")
+    return out(name, f"linear({x}, {we}, 0.0)")
+
+
+def _rope(out: _Writer, x: str, cos: str, sin: str, cfg: DecoderConfig, name: str) -> str:
+    half = cfg.head_dim // 2
+    d = cfg.head_dim
+    xc = out(f"{name}_cos", f"mul({x}, {cos})")
+    x1 = out(f"{name}_x1", f"slice({x}, axes = [3], begin = [0], end = [{half}], stride = [1])")
+    x2 = out(f"{name}_x2", f"slice({x}, axes = [3], begin = [{half}], end = [{d}], stride = [1])")
+    nx2 = out(f"{name}_neg", f"neg({x2})")
+    rot = out(f"{name}_rotated", f"concat([{nx2}, {x1}], axis = 3)")
+    xs = out(f"{name}_sin", f"mul({rot}, {sin})")
+    return out(name, f"add({xc}, {xs})")
+
+
+def _heads(out: _Writer, x: str, n: int, cfg: DecoderConfig, seq: str, name: str) -> str:
+    """``[1, S, n*D]`` -> ``[1, n, S, D]``."""
+    r = out(f"{name}_view", f"reshape({x}, shape = [1, {seq}, {n}, {cfg.head_dim}])")
+    return out(name, f"transpose({r}, axes = [0, 2, 1, 3])")
+
+
+def _repeat_kv(out: _Writer, x: str, cfg: DecoderConfig, total: str, name: str) -> str:
+    """``[1, Hkv, T, D]`` -> ``[1, Hq, T, D]`` (each KV head repeated ``groups`` times, adjacent)."""
+    if cfg.groups == 1:
+        return x
+    u = out(f"{name}_unsqueezed", f"unsqueeze({x}, axes = [2])")
+    t = out(f"{name}_repeat", f"tile({u}, repeats = [1, 1, {cfg.groups}, 1, 1])")
+    return out(name, f"reshape({t}, shape = [1, {cfg.heads}, {total}, {cfg.head_dim}])")
+
+
+def build_decoder_text(cfg: DecoderConfig) -> str:
+    """The ``graph.nnef`` text of the decoder described by ``cfg``."""
+    cfg.validate()
+    explicit = cfg.cache == "explicit"
+    d, hq, hkv = cfg.head_dim, cfg.heads, cfg.kv_heads
+    out = _Writer()
+    inputs = ["input_ids"] + cache_input_names(cfg)
+    outputs = ["outputs"] + cache_output_names(cfg)
+    out("input_ids", "tract_core_external(shape = [1, S], datum_type = 'i64')")
+    for n in cache_input_names(cfg):
+        out(n, f"tract_core_external(shape = [1, {hkv}, P, {d}], datum_type = 'f32')")
+    seq = _dim(out, "input_ids", 1, "seq_len")
+    emb = _var(out, "embed_tokens_weight", "model.embed_tokens.weight", (cfg.vocab, cfg.hidden))
+    hidden = out("hidden_0", f"tract_core_gather({emb}, input_ids, axis = 0)")
+    inv = _var(out, "rope_inv_freq", "model.rotary_emb.inv_freq", (d // 2,))
+    inv_e = out("rope_inv_freq_expanded", f"unsqueeze({inv}, axes = [0, 1])")
+    scale = 1.0 / float(np.sqrt(d))
+
+    positions_ready = False
+    past = total = cos = sin = mask = ""
+
+    def positions(past_len: str) -> None:
+        nonlocal total, cos, sin, mask, positions_ready
+        total = out("total_len", f"add({seq}, {past_len})")
+        pos = out("cache_position", f"tract_core_range({past_len}, {total}, 1)")
+        pos2 = out("position_ids", f"unsqueeze({pos}, axes = [0, 2])")
+        posf = out("position_f32", f"tract_core_cast({pos2}, to = 'f32')")
+        freqs = out("rope_freqs", f"mul({posf}, {inv_e})")
+        embr = out("rope_emb", f"concat([{freqs}, {freqs}], axis = 2)")
+        c = out("rope_cos", f"cos({embr})")
+        s = out("rope_sin", f"sin({embr})")
+        cos = out("rope_cos_heads", f"unsqueeze({c}, axes = [1])")
+        sin = out("rope_sin_heads", f"unsqueeze({s}, axes = [1])")
+        q_pos = out("q_pos", f"unsqueeze({pos}, axes = [1])")
+        all_pos = out("k_range", f"tract_core_range(0, {total}, 1)")
+        k_pos = out("k_pos", f"unsqueeze({all_pos}, axes = [0])")
+        fut = out("future", f"gt({k_pos}, {q_pos})")
+        futf = out("future_f32", f"tract_core_cast({fut}, to = 'f32')")
+        neg = out("mask_2d", f"mul({futf}, -1e9)")
+        mask = neg if not explicit else out("attention_mask", f"unsqueeze({neg}, axes = [0, 1])")
+        positions_ready = True
+
+    if explicit:
+        past = _dim(out, "in_cache_key_0", 2, "past_len")
+        positions(past)
+
+    for l in range(cfg.layers):
+        p = f"layer{l}"
+        lab = f"model.layers.{l}."
+        x = _rmsnorm(out, hidden, lab + "input_layernorm.weight", f"{p}_input_norm", cfg)
+        q = _linear(out, x, lab + "self_attn.q_proj.weight", (hq * d, cfg.hidden), f"{p}_q_proj")
+        k = _linear(out, x, lab + "self_attn.k_proj.weight", (hkv * d, cfg.hidden), f"{p}_k_proj")
+        v = _linear(out, x, lab + "self_attn.v_proj.weight", (hkv * d, cfg.hidden), f"{p}_v_proj")
+        qh = _heads(out, q, hq, cfg, seq, f"{p}_q")
+        kh = _heads(out, k, hkv, cfg, seq, f"{p}_k")
+        vh = _heads(out, v, hkv, cfg, seq, f"{p}_v")
+        if explicit:
+            vc = out(f"out_cache_value_{l}", f"concat([in_cache_value_{l}, {vh}], axis = 2)")
+        else:
+            vc = out(f"{p}_value_cache",
+                     f"tract_transformers_dyn_kv_cache({vh}, name = 'cache_value_{l}', axis = 2, datum_type = 'f32', "
+                     f"past_sequence_shape = [1, {hkv}, P, {d}], input_sequence_shape = [1, {hkv}, S, {d}])")
+            if not positions_ready:
+                t_all = _dim(out, vc, 2, "cached_len")
+                past = out("past_len", f"sub({t_all}, {seq})")
+                positions(past)
+        qr = _rope(out, qh, cos, sin, cfg, f"{p}_q_rope")
+        kr = _rope(out, kh, cos, sin, cfg, f"{p}_k_rope")
+        if explicit:
+            kc = out(f"out_cache_key_{l}", f"concat([in_cache_key_{l}, {kr}], axis = 2)")
+            kx = _repeat_kv(out, kc, cfg, total, f"{p}_key_states")
+            vx = _repeat_kv(out, vc, cfg, total, f"{p}_value_states")
+            kt = out(f"{p}_key_t", f"transpose({kx}, axes = [0, 1, 3, 2])")
+            sc = out(f"{p}_scores", f"matmul({qr}, {kt}, transposeA = false, transposeB = false)")
+            scs = out(f"{p}_scores_scaled", f"mul({sc}, {scale!r})")
+            scm = out(f"{p}_scores_masked", f"add({scs}, {mask})")
+            pr = out(f"{p}_probs", f"softmax({scm}, axes = [3])")
+            att = out(f"{p}_attn_output", f"matmul({pr}, {vx}, transposeA = false, transposeB = false)")
+        else:
+            kc = out(f"{p}_key_cache",
+                     f"tract_transformers_dyn_kv_cache({kr}, name = 'cache_key_{l}', axis = 2, datum_type = 'f32', "
+                     f"past_sequence_shape = [1, {hkv}, P, {d}], input_sequence_shape = [1, {hkv}, S, {d}])")
+            att = out(f"{p}_attn_output",
+                      f"tract_transformers_sdpa({qr}, {kc}, {vc}, {mask}, scale = {scale!r}, datum_type = 'f32', "
+                      f"acc_datum_type = 'f32', is_causal = false)")
+        at = out(f"{p}_attn_t", f"transpose({att}, axes = [0, 2, 1, 3])")
+        ar = out(f"{p}_attn_merged", f"reshape({at}, shape = [1, {seq}, {hq * d}])")
+        o = _linear(out, ar, lab + "self_attn.o_proj.weight", (cfg.hidden, hq * d), f"{p}_o_proj")
+        h1 = out(f"{p}_residual_attn", f"add({hidden}, {o})")
+        x2 = _rmsnorm(out, h1, lab + "post_attention_layernorm.weight", f"{p}_post_norm", cfg)
+        g = _linear(out, x2, lab + "mlp.gate_proj.weight", (cfg.mlp, cfg.hidden), f"{p}_gate_proj")
+        gs = out(f"{p}_gate_sigmoid", f"sigmoid({g})")
+        ga = out(f"{p}_gate_silu", f"mul({g}, {gs})")
+        u = _linear(out, x2, lab + "mlp.up_proj.weight", (cfg.mlp, cfg.hidden), f"{p}_up_proj")
+        gu = out(f"{p}_swiglu", f"mul({ga}, {u})")
+        dn = _linear(out, gu, lab + "mlp.down_proj.weight", (cfg.hidden, cfg.mlp), f"{p}_down_proj")
+        hidden = out(f"hidden_{l + 1}", f"add({h1}, {dn})")
+
+    fin = _rmsnorm(out, hidden, "model.norm.weight", "final_norm", cfg)
+    last_begin = out("last_begin", f"sub({seq}, 1)")
+    last = out("last_hidden", f"slice({fin}, axes = [1], begin = [{last_begin}], end = [{seq}], stride = [1])")
+    _linear(out, last, "lm_head.weight", (cfg.vocab, cfg.hidden), "outputs")
+
+    head = ["version 1.0;", "", "extension tract_registry tract_core;"]
+    if not explicit:
+        head.append("extension tract_registry tract_transformers;")
+    head += ["extension tract_symbol S;", "extension tract_symbol P;", "extension tract_assert S >= 1;",
+             "extension tract_assert P >= 0;", f"extension tract_assert S+P < {cfg.max_positions};", ""]
+    head.append(f"graph {cfg.name}({', '.join(inputs)}) -> ({', '.join(outputs)})")
+    return "\n".join(head + ["{"] + out.lines + ["}"]) + "\n"
+
+
+def build_decoder(cfg: DecoderConfig | None = None):
+    """The decoder as an in-memory :class:`nnef_kv.Model` (save it with ``nnef_kv.save``)."""
+    from ..io.archive import Model
+
+    cfg = cfg or DecoderConfig()
+    return Model.from_text(build_decoder_text(cfg), build_decoder_weights(cfg), source=None)

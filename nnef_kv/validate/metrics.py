@@ -1,0 +1,52 @@
+"""Numeric measures used by validation: relative L2, KL divergence of next-token distributions, summaries."""
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import numpy as np
+
+__all__ = ["rel_l2", "log_softmax", "kl_divergence", "summary_stats", "KL_PERCENTILES"]
+
+#: Percentiles of the per-token KL reported, as llama.cpp's ``perplexity --kl-divergence`` does (1, 5, 10 %,
+#: median, 90, 95, 99, 99.9 %), with mean, min and max.
+KL_PERCENTILES = (1.0, 5.0, 10.0, 50.0, 90.0, 95.0, 99.0, 99.9)
+
+
+def rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    """``||got - ref|| / ||ref||`` in float64 (``inf`` when ``ref`` is all zero and ``got`` is not; NaN
+    propagates so a NaN output is never reported as accurate)."""
+    g = np.asarray(got, np.float64).reshape(-1)
+    r = np.asarray(ref, np.float64).reshape(-1)
+    if g.shape != r.shape:
+        raise ValueError(f"rel_l2: {g.size} values vs {r.size} in the reference")
+    num = float(np.linalg.norm(g - r))
+    den = float(np.linalg.norm(r))
+    if den == 0.0:
+        return 0.0 if num == 0.0 else float("inf")
+    return num / den
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    x = np.asarray(logits, np.float64)
+    m = np.max(x, axis=-1, keepdims=True)
+    z = x - m
+    return z - np.log(np.sum(np.exp(z), axis=-1, keepdims=True))
+
+
+def kl_divergence(ref_logits: np.ndarray, logits: np.ndarray) -> np.ndarray:
+    """``KL(p_ref || p)`` in nats per row (last axis = vocabulary), float64, >= 0."""
+    lp_ref = log_softmax(ref_logits)
+    lp = log_softmax(logits)
+    kl = np.sum(np.exp(lp_ref) * (lp_ref - lp), axis=-1)
+    return np.maximum(kl, 0.0)
+
+
+def summary_stats(values: Iterable[float], percentiles: Sequence[float] = KL_PERCENTILES) -> dict[str, float]:
+    """mean, min, max and the given percentiles of ``values`` (NaN-aware: NaN if any value is NaN)."""
+    a = np.asarray(list(values), np.float64)
+    if a.size == 0:
+        return {}
+    out = {"mean": float(np.mean(a)), "min": float(np.min(a)), "max": float(np.max(a))}
+    for p in percentiles:
+        out[f"p{p:g}"] = float(np.percentile(a, p))
+    return out
