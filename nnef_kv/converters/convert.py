@@ -1,0 +1,151 @@
+"""``convert``: a decoder archive in, a quantized-KV archive out (see :mod:`.passes`)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConversionError
+from .graph_edit import GraphEdit
+from .options import ConvertOptions
+from .passes import (
+    CacheShapeToSymbolPass,
+    CleanupPass,
+    ConversionContext,
+    DynCachePass,
+    ExplicitCachePass,
+    NormalizePass,
+    PassReport,
+    PositionBindingPass,
+)
+
+QUANTIZED_KV_OPS = ("tract_transformers_quantized_dyn_kv_cache", "tract_transformers_quantized_kv_sdpa",
+                    "nnef_kv_kivi_sdpa")
+
+LOOKED_FOR = (
+    "plain attention matmul(q, transpose(K)) -> [scale] -> [mask] -> softmax -> matmul(., V) or "
+    "tract_transformers_sdpa, with K/V from concat([cache input, new], axis = 2) or "
+    "tract_transformers_dyn_kv_cache"
+)
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` did: the options, each pass's report, the attentions converted."""
+
+    source: str
+    options: ConvertOptions
+    passes: list[PassReport] = field(default_factory=list)
+    attentions: list[str] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    tensors_removed: list[str] = field(default_factory=list)
+
+    @property
+    def inputs_removed(self) -> list[str]:
+        return [n for p in self.passes for n in p.inputs_removed]
+
+    @property
+    def outputs_removed(self) -> list[str]:
+        return [n for p in self.passes for n in p.outputs_removed]
+
+    @property
+    def notes(self) -> list[str]:
+        return [n for p in self.passes for n in p.notes]
+
+    def to_text(self) -> str:
+        o = self.options
+        head = [f"converted {self.source} with scheme {o.scheme} (bits {o.bits}"
+                + (f", key_group {o.key_group}, value_group {o.value_group}, residual {o.residual}, sinks {o.sinks}"
+                   if o.scheme == "kivi" else "") + ")",
+                f"attentions converted: {len(self.attentions)}"]
+        head += [f"  {a}" for a in self.attentions]
+        head.append(f"inputs: {', '.join(self.inputs)}; outputs: {', '.join(self.outputs)}")
+        if self.tensors_removed:
+            head.append(f"tensors no longer used, dropped: {len(self.tensors_removed)}")
+        return "\n".join(head + [p.to_text() for p in self.passes if p.changed or p.notes])
+
+
+def _load(model_or_path: Any) -> Any:
+    if isinstance(model_or_path, (str, os.PathLike)):
+        from ..io.archive import load
+
+        if os.fspath(model_or_path).lower().endswith(".onnx"):
+            from .onnx_frontend import onnx_to_nnef
+
+            return onnx_to_nnef(model_or_path)[0]
+
+        return load(model_or_path)
+    if not hasattr(model_or_path, "document"):
+        raise ConversionError(f"convert: expected a Model or a path, got {type(model_or_path).__name__}")
+    return model_or_path
+
+
+def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: int = 32, value_group: int = 32,
+            residual: int = 32, sinks: int = 0) -> tuple[Any, ConversionReport]:
+    """Convert a decoder (``Model`` or archive path) to a quantized-KV model.
+
+    Returns a new :class:`~nnef_kv.Model` (the input is not modified) and a :class:`ConversionReport`.
+    Raises :class:`~nnef_kv.errors.ConversionError` for a bad option (before any work), a graph
+    with no attention the passes recognise, or attention without a KV cache.
+    """
+    options = ConvertOptions(scheme, bits, key_group, value_group, residual, sinks).validate()
+    model = _load(model_or_path)
+    where = str(getattr(model, "source", None) or "<model>")
+    tensors = getattr(model, "tensors", {}) or {}
+    g = GraphEdit(model.document, tensors, where)
+    ctx = ConversionContext(g, options)
+    report = ConversionReport(where, options)
+    report.passes.append(NormalizePass().run(ctx))
+    report.passes.append(ExplicitCachePass().run(ctx))
+    report.passes.append(DynCachePass().run(ctx))
+    if not ctx.blocks:
+        held = [(n.name, n.op) for n in g.nodes if n.op in QUANTIZED_KV_OPS]
+        if held:
+            raise ConversionError(f"{where}: the graph already holds a quantized KV cache ({held[0][1]} "
+                                  f"'{held[0][0]}'); nothing to convert")
+        if ctx.uncached:
+            raise ConversionError(
+                f"{where}: attention found ({'; '.join(ctx.uncached[:3])}) but no KV cache: looked for K/V "
+                "coming from concat([cache input, new], axis = 2) with the cache a graph input, or from "
+                "tract_transformers_dyn_kv_cache; nothing to convert")
+        raise ConversionError(f"{where}: no attention found: looked for {LOOKED_FOR}; nothing to convert")
+    report.passes.append(CacheShapeToSymbolPass().run(ctx))
+    report.passes.append(PositionBindingPass().run(ctx))
+    report.passes.append(CleanupPass().run(ctx, model))
+    report.attentions = [b.describe() for b in ctx.blocks]
+    if options.scheme == "tract" and options.bits != 8:
+        report.passes[-1].notes.append(f"bits={options.bits} ignored: {'tract_transformers_quantized_kv_sdpa'} "
+                                       "stores 8-bit codes")
+    doc = g.document()
+    new_model = _rebuild(model, doc, report)
+    report.inputs = list(g.inputs)
+    report.outputs = list(g.outputs)
+    return new_model, report
+
+
+def _rebuild(model: Any, doc: Any, report: ConversionReport) -> Any:
+    """A copy of ``model`` with the new document and only the tensors its variables still read."""
+    from ..io.archive import Model
+
+    tensors = dict(getattr(model, "tensors", {}) or {})
+    probe = Model(document=doc, tensors=tensors)
+    used = {probe.resolve_label(lab) for lab in probe.variable_labels()}
+    report.tensors_removed = sorted(k for k in tensors if k not in used)
+    kept = {k: v for k, v in tensors.items() if k in used}
+    if isinstance(model, Model):
+        info = {k: v for k, v in model.tensor_info.items() if k in kept}
+        return replace(model, document=doc, tensors=kept, tensor_info=info, text=None,
+                       source=model.source)
+    return Model(document=doc, tensors=kept, source=getattr(model, "source", None))
+
+
+def convert_file(in_path: str | os.PathLike, out_path: str | os.PathLike, **options: Any) -> ConversionReport:
+    """Convert the archive at ``in_path`` and write the result to ``out_path`` (folder, .tar, .tgz;
+    written atomically by :func:`nnef_kv.save`). Returns the report."""
+    from ..io.archive import save
+
+    model, report = convert(in_path, **options)
+    save(model, Path(out_path))
+    return report

@@ -1,0 +1,454 @@
+"""A small editable view of an NNEF graph body, for the converter passes.
+
+The AST is immutable; :class:`GraphEdit` keeps the graph body as a Python list of
+:class:`~nnef_kv.grammar.ast.Assignment` and offers what the passes need: who defines a name,
+who reads it, argument lookup by parameter name or position, scalar constant folding, dead-code
+elimination, and building new invocations. :meth:`GraphEdit.document` gives the edited document.
+
+Names must be defined once for the passes to reason about them; torch-to-nnef exports re-assign
+some names (``x_shape = tract_core_shape_of(x);`` written again further down), which tract
+accepts. :meth:`GraphEdit.make_ssa` renames the earlier definitions (``x_shape`` -> ``x_shape__1``)
+and their readers, which changes no value.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields, is_dataclass, replace
+from typing import Any, Iterable, Iterator
+
+import numpy as np
+
+from ..errors import ConversionError
+from ..grammar import ast as A
+
+#: Parameter order of the ops the passes look into (positional arguments are matched against it).
+PARAMS: dict[str, tuple[str, ...]] = {
+    "matmul": ("A", "B", "transposeA", "transposeB"),
+    "softmax": ("x", "axes"),
+    "concat": ("values", "axis"),
+    "transpose": ("input", "axes"),
+    "unsqueeze": ("input", "axes"),
+    "squeeze": ("input", "axes"),
+    "reshape": ("input", "shape", "axis_start", "axis_count"),
+    "tile": ("input", "repeats"),
+    "slice": ("input", "axes", "begin", "end", "stride"),
+    "tract_core_cast": ("input", "to"),
+    "tract_core_shape_of": ("input",),
+    "shape_of": ("x",),
+    "tract_core_broadcast": ("input", "shape"),
+    "copy": ("x",),
+    "add": ("x", "y"),
+    "sub": ("x", "y"),
+    "mul": ("x", "y"),
+    "div": ("x", "y"),
+    "select": ("condition", "true_value", "false_value"),
+    "sqrt": ("x",),
+    "rsqrt": ("x",),
+    "neg": ("x",),
+    "rcp": ("x",),
+    "recip": ("x",),
+    "variable": ("shape", "label"),
+    "constant": ("shape", "value"),
+    "external": ("shape",),
+    "tract_core_external": ("datum_type", "shape"),
+    "tract_transformers_sdpa": ("q", "k", "v", "mask", "scale", "datum_type", "acc_datum_type", "is_causal"),
+    "tract_transformers_dyn_kv_cache": ("input", "name", "axis", "datum_type", "past_sequence_shape",
+                                        "input_sequence_shape"),
+    "tract_transformers_quantized_dyn_kv_cache": ("input", "name", "axis", "bits", "per_channel", "datum_type",
+                                                  "past_sequence_shape", "input_sequence_shape"),
+}
+
+#: Ops whose nodes hold session state: never removed as dead code.
+STATEFUL_OPS = frozenset({
+    "tract_transformers_dyn_kv_cache",
+    "tract_transformers_quantized_dyn_kv_cache",
+    "tract_transformers_quantized_kv_sdpa",
+    "nnef_kv_kivi_sdpa",
+})
+
+SOURCE_OPS = frozenset({"external", "tract_core_external"})
+
+
+# ----------------------------------------------------------------------------------------------
+# expression helpers
+# ----------------------------------------------------------------------------------------------
+def ident(name: str) -> A.Identifier:
+    return A.Identifier(name)
+
+
+def lit(value: Any) -> A.Expr:
+    """A literal expression for a Python value (bool, int, float, str, lists)."""
+    if is_dataclass(value) and not isinstance(value, type):  # already an expression
+        return value
+    if isinstance(value, bool):
+        return A.LogicalLiteral(value)
+    if isinstance(value, (int, np.integer)):
+        return A.IntegerLiteral(int(value))
+    if isinstance(value, (float, np.floating)):
+        return A.ScalarLiteral(float(value))
+    if isinstance(value, str):
+        return A.StringLiteral(value)
+    if isinstance(value, (list, tuple)):
+        return A.ArrayExpr(tuple(lit(v) for v in value))
+    raise TypeError(f"no NNEF literal for {value!r}")
+
+
+def invocation(op: str, *positional: Any, generic: A.TypeSpec | None = None, **named: Any) -> A.Invocation:
+    args = [A.Argument(None, lit(v)) for v in positional]
+    args += [A.Argument(k, lit(v)) for k, v in named.items()]
+    return A.Invocation(op, generic, tuple(args))
+
+
+def identifiers(e: Any) -> Iterator[str]:
+    """Every identifier read by an expression (invocation names excluded)."""
+    stack = [e]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, A.Identifier):
+            yield x.name
+        elif isinstance(x, A.Invocation):
+            stack.extend(a.value for a in x.args)
+        elif isinstance(x, (tuple, list)):
+            stack.extend(x)
+        elif is_dataclass(x) and not isinstance(x, type):
+            stack.extend(getattr(x, f.name) for f in fields(x) if f.name != "pos")
+
+
+def rename(e: Any, mapping: dict[str, str]) -> Any:
+    """``e`` with identifiers renamed by ``mapping`` (invocation names untouched)."""
+    if not mapping:
+        return e
+    if isinstance(e, A.Identifier):
+        return A.Identifier(mapping[e.name], pos=e.pos) if e.name in mapping else e
+    if isinstance(e, tuple):
+        return tuple(rename(x, mapping) for x in e)
+    if is_dataclass(e) and not isinstance(e, type):
+        changes = {}
+        for f in fields(e):
+            if f.name == "pos":
+                continue
+            v = getattr(e, f.name)
+            nv = rename(v, mapping)
+            if nv is not v:
+                changes[f.name] = nv
+        return replace(e, **changes) if changes else e
+    return e
+
+
+def lhs_names(lhs: A.Expr) -> list[str]:
+    if isinstance(lhs, A.Identifier):
+        return [lhs.name]
+    if isinstance(lhs, (A.TupleExpr, A.ArrayExpr)):
+        return [n for item in lhs.items for n in lhs_names(item)]
+    return []
+
+
+def static_value(e: A.Expr) -> Any:
+    """The Python value of a literal expression (arrays of literals, negation), else None."""
+    if isinstance(e, (A.IntegerLiteral, A.ScalarLiteral, A.LogicalLiteral, A.StringLiteral)):
+        return e.value
+    if isinstance(e, A.ArrayExpr):
+        items = [static_value(i) for i in e.items]
+        return None if any(i is None for i in items) else items
+    if isinstance(e, A.UnaryExpr) and e.op == "-":
+        v = static_value(e.operand)
+        return -v if isinstance(v, (int, float)) else None
+    return None
+
+
+def int_list(e: A.Expr | None) -> list[int] | None:
+    """An integer or a list of integers as a list (``3`` -> ``[3]``), else None."""
+    if e is None:
+        return None
+    v = static_value(e)
+    if isinstance(v, bool):
+        return None
+    if isinstance(v, int):
+        return [v]
+    if isinstance(v, list) and all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        return v
+    return None
+
+
+# ----------------------------------------------------------------------------------------------
+# nodes
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class Node:
+    """One statement ``lhs = op(args);`` of the graph body (``inv`` None for non-invocations)."""
+
+    index: int
+    names: list[str]
+    stmt: A.Assignment
+
+    @property
+    def inv(self) -> A.Invocation | None:
+        return self.stmt.rhs if isinstance(self.stmt.rhs, A.Invocation) else None
+
+    @property
+    def op(self) -> str | None:
+        inv = self.inv
+        return inv.name if inv is not None else None
+
+    @property
+    def name(self) -> str:
+        return self.names[0] if self.names else "?"
+
+    def arg(self, param: str) -> A.Expr | None:
+        """The argument bound to ``param``: by name, else by position (tract's rule), else None."""
+        inv = self.inv
+        if inv is None:
+            return None
+        named = inv.named()
+        if param in named:
+            return named[param]
+        order = PARAMS.get(inv.name, ())
+        if param not in order:
+            return None
+        i = order.index(param)
+        pos = inv.args
+        if i < len(pos) and all(a.name is None for a in pos[: i + 1]):
+            return pos[i].value
+        return None
+
+    def arg_name(self, param: str) -> str | None:
+        """The identifier passed as ``param``, or None if it is not a plain identifier."""
+        v = self.arg(param)
+        return v.name if isinstance(v, A.Identifier) else None
+
+    def text(self) -> str:
+        from ..grammar import dump_expr
+
+        return f"{', '.join(self.names)} = {dump_expr(self.stmt.rhs)}"
+
+
+class GraphEdit:
+    """Mutable view of ``document.graph`` (see the module docstring)."""
+
+    def __init__(self, document: A.Document, tensors: dict[str, Any] | None = None, where: str = "<model>") -> None:
+        if document.graph is None:
+            raise ConversionError(f"{where}: the document has no graph")
+        self.doc = document
+        self.where = where
+        self.tensors = tensors if tensors is not None else {}
+        g = document.graph
+        self.graph_name = g.name
+        self.inputs: list[str] = list(g.inputs)
+        self.outputs: list[str] = list(g.outputs)
+        self.body: list[A.Assignment] = list(g.body)
+        self.extensions: list[A.Extension] = list(document.extensions)
+        self._index()
+
+    # -- indexing ------------------------------------------------------------------------------
+    def _index(self) -> None:
+        self.nodes: list[Node] = [Node(i, lhs_names(st.lhs), st) for i, st in enumerate(self.body)]
+        self.producer: dict[str, Node] = {}
+        self.readers: dict[str, list[Node]] = {}
+        for n in self.nodes:
+            for name in set(identifiers(n.stmt.rhs)):
+                self.readers.setdefault(name, []).append(n)
+            for name in n.names:
+                self.producer[name] = n
+
+    def reindex(self) -> None:
+        self._index()
+
+    def node(self, name: str | None) -> Node | None:
+        return self.producer.get(name) if name is not None else None
+
+    def op_of(self, name: str | None) -> str | None:
+        n = self.node(name)
+        return n.op if n is not None else None
+
+    def users(self, name: str) -> list[Node]:
+        return self.readers.get(name, [])
+
+    def all_names(self) -> set[str]:
+        names = set(self.producer) | set(self.inputs)
+        for n in self.nodes:
+            names.update(identifiers(n.stmt.rhs))
+        return names
+
+    def fresh(self, base: str) -> str:
+        """A name not used anywhere in the graph, starting from ``base``."""
+        taken = self.all_names() | self.symbols()
+        if base not in taken:
+            return base
+        i = 1
+        while f"{base}_{i}" in taken:
+            i += 1
+        return f"{base}_{i}"
+
+    # -- SSA normalization ---------------------------------------------------------------------
+    def make_ssa(self) -> int:
+        """Rename earlier definitions of names defined more than once; returns how many were renamed."""
+        counts: dict[str, int] = {}
+        for st in self.body:
+            for n in lhs_names(st.lhs):
+                counts[n] = counts.get(n, 0) + 1
+        multi = {n for n, c in counts.items() if c > 1}
+        if not multi:
+            return 0
+        seen: dict[str, int] = {}
+        current: dict[str, str] = {}
+        taken = {n for st in self.body for n in lhs_names(st.lhs)} | set(self.inputs)
+        renamed = 0
+        new_body = []
+        for st in self.body:
+            rhs = rename(st.rhs, current)
+            lhs = st.lhs
+            mapping: dict[str, str] = {}
+            for n in lhs_names(st.lhs):
+                if n not in multi:
+                    continue
+                seen[n] = seen.get(n, 0) + 1
+                if seen[n] < counts[n]:
+                    k = seen[n]
+                    new = f"{n}__{k}"
+                    while new in taken:
+                        k += 1
+                        new = f"{n}__{k}"
+                    taken.add(new)
+                    mapping[n] = new
+                    current[n] = new
+                    renamed += 1
+                else:
+                    current.pop(n, None)
+            if mapping:
+                lhs = rename(lhs, mapping)
+            new_body.append(replace(st, lhs=lhs, rhs=rhs))
+        self.body = new_body
+        self._index()
+        return renamed
+
+    # -- edits ---------------------------------------------------------------------------------
+    def replace_rhs(self, name: str, rhs: A.Expr) -> None:
+        n = self.producer[name]
+        self.body[n.index] = A.Assignment(n.stmt.lhs, rhs)
+        self._index()
+
+    def insert_before(self, name: str, stmts: Iterable[A.Assignment]) -> None:
+        i = self.producer[name].index
+        self.body[i:i] = list(stmts)
+        self._index()
+
+    def insert_after(self, name: str, stmts: Iterable[A.Assignment]) -> None:
+        i = self.producer[name].index + 1
+        self.body[i:i] = list(stmts)
+        self._index()
+
+    def symbols(self) -> set[str]:
+        return {e.argument.strip() for e in self.extensions if e.name == "tract_symbol"}
+
+    def add_extension(self, name: str, argument: str = "") -> bool:
+        ext = A.Extension(name, argument)
+        if any(e.name == name and e.argument.strip() == argument for e in self.extensions):
+            return False
+        self.extensions.append(ext)
+        return True
+
+    def dead_code(self, keep: set[str] | frozenset[str] = frozenset()) -> list[str]:
+        """Remove statements nothing needs (outputs, declared inputs, stateful ops and the names in
+        ``keep`` are roots). Returns the names of the removed statements (first name of each)."""
+        roots = keep
+        live: set[str] = set(self.outputs)
+        keep = [False] * len(self.body)
+        for n in reversed(self.nodes):
+            root = (n.op in STATEFUL_OPS) or (n.op in SOURCE_OPS and any(x in self.inputs for x in n.names)) \
+                or any(x in roots for x in n.names)
+            if root or any(x in live for x in n.names):
+                keep[n.index] = True
+                live.update(identifiers(n.stmt.rhs))
+        removed = [n.name for n in self.nodes if not keep[n.index]]
+        self.body = [st for st, k in zip(self.body, keep) if k]
+        self._index()
+        return removed
+
+    def document(self) -> A.Document:
+        g = A.GraphDecl(self.graph_name, tuple(self.inputs), tuple(self.outputs), tuple(self.body))
+        return replace(self.doc, extensions=tuple(self.extensions), graph=g)
+
+    # -- constants -----------------------------------------------------------------------------
+    def scalar_const(self, e: A.Expr | str | None, depth: int = 0) -> float | None:
+        """The value of a scalar constant expression or name (literals, variables of one element,
+        casts/reshapes of those, sqrt/rsqrt/neg/rcp, + - * /), else None."""
+        if e is None or depth > 32:
+            return None
+        if isinstance(e, str):
+            e = A.Identifier(e)
+        if isinstance(e, (A.IntegerLiteral, A.ScalarLiteral)) and not isinstance(e.value, bool):
+            return float(e.value)
+        if isinstance(e, A.ArrayExpr):
+            vals = np.asarray(static_value(e) or [], dtype=object).ravel() if static_value(e) is not None else None
+            return float(vals[0]) if vals is not None and vals.size == 1 else None
+        if isinstance(e, A.UnaryExpr) and e.op == "-":
+            v = self.scalar_const(e.operand, depth + 1)
+            return -v if v is not None else None
+        if isinstance(e, A.BinaryExpr) and e.op in "+-*/":
+            a, b = self.scalar_const(e.left, depth + 1), self.scalar_const(e.right, depth + 1)
+            return _arith(e.op, a, b)
+        if isinstance(e, A.Identifier):
+            n = self.producer.get(e.name)
+            if n is None:
+                return None
+            if n.inv is None:
+                return self.scalar_const(n.stmt.rhs, depth + 1)
+            return self._const_node(n, depth)
+        if isinstance(e, A.Invocation):
+            return self._const_node(Node(-1, [], A.Assignment(A.Identifier("_"), e)), depth)
+        return None
+
+    def _const_node(self, n: Node, depth: int) -> float | None:
+        op = n.op
+        if op == "variable":
+            label = n.arg("label")
+            if not isinstance(label, A.StringLiteral):
+                return None
+            t = self.tensors.get(label.value, self.tensors.get(label.value.lstrip("/")))
+            if t is None:
+                return None
+            arr = np.asarray(t)
+            return float(arr.ravel()[0]) if arr.size == 1 else None
+        if op == "constant":
+            v = static_value(n.arg("value")) if n.arg("value") is not None else None
+            arr = np.asarray(v, dtype=np.float64).ravel() if v is not None else np.zeros(0)
+            return float(arr[0]) if arr.size == 1 else None
+        if op in ("tract_core_cast", "unsqueeze", "squeeze", "reshape", "copy"):
+            first = "x" if op == "copy" else "input"
+            return self.scalar_const(n.arg(first), depth + 1)
+        if op in ("sqrt", "rsqrt", "neg", "rcp", "recip"):
+            v = self.scalar_const(n.arg("x"), depth + 1)
+            if v is None:
+                return None
+            if op == "sqrt":
+                return math.sqrt(v) if v >= 0 else None
+            if op == "rsqrt":
+                return 1.0 / math.sqrt(v) if v > 0 else None
+            if op == "neg":
+                return -v
+            return 1.0 / v if v != 0 else None
+        if op in ("add", "sub", "mul", "div"):
+            a, b = self.scalar_const(n.arg("x"), depth + 1), self.scalar_const(n.arg("y"), depth + 1)
+            return _arith({"add": "+", "sub": "-", "mul": "*", "div": "/"}[op], a, b)
+        return None
+
+    # -- declarations --------------------------------------------------------------------------
+    def declared_shape(self, name: str) -> list[A.Expr] | None:
+        """The ``shape`` of an ``external``/``tract_core_external`` declaration, as expressions."""
+        n = self.producer.get(name)
+        if n is None or n.op not in SOURCE_OPS:
+            return None
+        s = n.arg("shape")
+        return list(s.items) if isinstance(s, A.ArrayExpr) else None
+
+
+def _arith(op: str, a: float | None, b: float | None) -> float | None:
+    if a is None or b is None:
+        return None
+    if op == "+":
+        return a + b
+    if op == "-":
+        return a - b
+    if op == "*":
+        return a * b
+    return a / b if b != 0 else None

@@ -1,0 +1,434 @@
+"""The rewriting passes: each finds a pattern, replaces it, leaves the rest of the graph as it was,
+and returns a :class:`PassReport` of what it changed.
+
+Order used by :func:`nnef_kv.converters.convert`:
+
+1. :class:`NormalizePass` -- one definition per name (see :meth:`GraphEdit.make_ssa`);
+2. :class:`ExplicitCachePass` -- plain attention over ``concat([past_input, new], axis = 2)``
+   (torch-to-nnef's explicit cache I/O, nnef-tools' ONNX output): the past inputs and present
+   outputs go, the caches move into the session;
+3. :class:`DynCachePass` -- ``tract_transformers_dyn_kv_cache`` (K, V) + ``tract_transformers_sdpa``;
+4. :class:`CacheShapeToSymbolPass` -- what the graph derived from the removed cache inputs' shapes
+   (past length ``P`` for positions and masks) becomes an expression of the declared symbol;
+5. :class:`PositionBindingPass` -- fused schemes only: a ``[1, 1, S, 1]`` ``tract_transformers_dyn_kv_cache``
+   whose ``past_sequence_shape = [1, 1, P, 1]`` keeps ``P`` bound at run time (tract binds symbols
+   from stateful cache nodes; the fused ops carry no sequence shape);
+6. :class:`CleanupPass` -- dead code, unused tensors, extensions.
+
+Schemes (what an attention with its caches becomes):
+
+* ``kivi``: ``nnef_kv_kivi_sdpa(q, k_new, v_new, ...)`` (nnef-kv's accurate op; causal mask built in);
+* ``tract``: ``tract_transformers_quantized_kv_sdpa(q, k_new, v_new, axis = 2, scale = s)`` (tract's
+  fused op; it has no causal mask: a multi-token call attends to the whole cache);
+* ``tract-cache``: each cache becomes ``tract_transformers_quantized_dyn_kv_cache`` (keys per
+  channel, values per token), the attention around it is left as it is.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..errors import ConversionError
+from ..grammar import ast as A
+from .attention import AttentionBlock, CacheSource, find_plain_attention, find_sdpa_attention
+from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
+from .options import ConvertOptions
+
+KIVI_OP = "nnef_kv_kivi_sdpa"
+TRACT_FUSED_OP = "tract_transformers_quantized_kv_sdpa"
+TRACT_QCACHE_OP = "tract_transformers_quantized_dyn_kv_cache"
+DYN_CACHE_OP = "tract_transformers_dyn_kv_cache"
+POSITION_CACHE = "nnef_kv_positions"
+
+
+@dataclass
+class PassReport:
+    """What one pass changed."""
+
+    name: str
+    nodes_removed: list[str] = field(default_factory=list)
+    nodes_added: list[str] = field(default_factory=list)
+    nodes_replaced: list[str] = field(default_factory=list)
+    inputs_removed: list[str] = field(default_factory=list)
+    outputs_removed: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def changed(self) -> bool:
+        return bool(self.nodes_removed or self.nodes_added or self.nodes_replaced or self.inputs_removed
+                    or self.outputs_removed)
+
+    def to_text(self) -> str:
+        parts = [f"{self.name}:"]
+        for label, items in (("replaced", self.nodes_replaced), ("added", self.nodes_added),
+                             ("removed", self.nodes_removed), ("inputs removed", self.inputs_removed),
+                             ("outputs removed", self.outputs_removed)):
+            if items:
+                shown = ", ".join(items[:6]) + (f", ... ({len(items)} in all)" if len(items) > 6 else "")
+                parts.append(f"  {label}: {shown}")
+        parts += [f"  note: {n}" for n in self.notes]
+        if len(parts) == 1:
+            parts.append("  nothing changed")
+        return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------------------------
+@dataclass
+class ConversionContext:
+    """State shared by the passes of one conversion."""
+
+    graph: GraphEdit
+    options: ConvertOptions
+    blocks: list[AttentionBlock] = field(default_factory=list)
+    uncached: list[str] = field(default_factory=list)
+    removed_inputs: dict[str, list[A.Expr]] = field(default_factory=dict)  # past input -> declared shape
+    past_symbol: str | None = None  # the symbol of the past length (P)
+    new_symbol: str | None = None  # the symbol of this call's length (S)
+    initially_dead: set[str] = field(default_factory=set)  # dead before conversion: left as they were
+
+    def dead_code(self) -> list[str]:
+        """Remove what the conversion made dead (statements dead in the input graph stay)."""
+        return self.graph.dead_code(keep=self.initially_dead)
+
+    def forget_dead_readers(self, names: set[str]) -> None:
+        """Statements dead in the input that read ``names`` (directly or through each other) go too."""
+        bad = set(names)
+        changed = True
+        while changed:
+            changed = False
+            for n in self.graph.nodes:
+                if n.name in self.initially_dead and n.name not in bad and bad & set(identifiers(n.stmt.rhs)):
+                    bad.add(n.name)
+                    changed = True
+        self.initially_dead -= bad
+
+
+def _seq_symbol(ctx: ConversionContext) -> str:
+    """The symbol of the tokens of one call: ``S`` when declared, else a new declared symbol."""
+    g = ctx.graph
+    if ctx.new_symbol:
+        return ctx.new_symbol
+    syms = g.symbols()
+    if "S" in syms:
+        ctx.new_symbol = "S"
+    else:
+        name = "S" if "S" not in g.all_names() else g.fresh("S")
+        g.add_extension("tract_symbol", name)
+        ctx.new_symbol = name
+    return ctx.new_symbol
+
+
+def _datum_type(g: GraphEdit, past: str) -> str:
+    n = g.node(past)
+    if n is not None and n.op == "tract_core_external":
+        dt = n.arg("datum_type")
+        if isinstance(dt, A.StringLiteral):
+            return dt.value.lower()
+    if n is not None and n.op == "external" and n.inv is not None and isinstance(n.inv.generic, A.PrimitiveType):
+        if n.inv.generic.name != "scalar":
+            raise ConversionError(f"{g.where}: cache input '{past}' is not a float tensor")
+    return "f32"
+
+
+def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: int | None) -> A.Invocation:
+    o = ctx.options
+    scale = block.scale
+    if scale is None:
+        if head_dim is None:
+            raise ConversionError(f"{ctx.graph.where}: attention '{block.output}' has no scale and an unknown "
+                                  "head size")
+        scale = 1.0 / math.sqrt(head_dim)
+    causal = block.is_causal or block.mask is not None
+    if o.scheme == "kivi":
+        return invocation(KIVI_OP, A.Identifier(block.q), A.Identifier(block.key.new), A.Identifier(block.value.new),
+                          axis=2, scale=float(scale), bits=o.bits, key_group=o.key_group, value_group=o.value_group,
+                          residual=o.residual, sinks=o.sinks, is_causal=bool(causal))
+    return invocation(TRACT_FUSED_OP, A.Identifier(block.q), A.Identifier(block.key.new),
+                      A.Identifier(block.value.new), axis=2, scale=float(scale))
+
+
+def _static_dim(e: A.Expr | None) -> int | None:
+    v = static_value(e) if e is not None else None
+    return int(v) if isinstance(v, int) and not isinstance(v, bool) else None
+
+
+# ----------------------------------------------------------------------------------------------
+class NormalizePass:
+    name = "normalize"
+
+    def run(self, ctx: ConversionContext) -> PassReport:
+        rep = PassReport(self.name)
+        before = [n.name for n in ctx.graph.nodes]
+        k = ctx.graph.make_ssa()
+        probe = GraphEdit(ctx.graph.document(), ctx.graph.tensors, ctx.graph.where)
+        ctx.initially_dead = set(probe.dead_code())
+        if ctx.initially_dead:
+            rep.notes.append(f"{len(ctx.initially_dead)} statements unused in the input graph are kept as they are")
+        if k:
+            after = [n.name for n in ctx.graph.nodes]
+            rep.nodes_replaced = [f"{a} -> {b}" for a, b in zip(before, after) if a != b]
+            rep.notes.append(f"{k} re-assigned names given a name of their own (values unchanged)")
+        return rep
+
+
+class ExplicitCachePass:
+    """Plain attention over explicit cache inputs/outputs (torch-to-nnef, ONNX)."""
+
+    name = "explicit-cache"
+
+    def run(self, ctx: ConversionContext) -> PassReport:
+        g = ctx.graph
+        rep = PassReport(self.name)
+        blocks, uncached = find_plain_attention(g)
+        ctx.uncached += uncached
+        blocks = [b for b in blocks if b.key.kind == "explicit"]
+        if not blocks:
+            return rep
+        scheme = ctx.options.scheme
+        present: list[str] = []
+        for b in blocks:
+            ctx.blocks.append(b)
+            for src in (b.key, b.value):
+                assert src.past is not None
+                shape = g.declared_shape(src.past)
+                if shape is None or len(shape) != 4:
+                    raise ConversionError(f"{g.where}: cache input '{src.past}' has no rank-4 declared shape")
+                ctx.removed_inputs[src.past] = shape
+                if isinstance(shape[2], A.Identifier):
+                    ctx.past_symbol = ctx.past_symbol or shape[2].name
+                present.append(src.full)
+            if scheme == "tract-cache":
+                for src, per_channel in ((b.key, 1), (b.value, 0)):
+                    self._quantized_cache(ctx, src, per_channel)
+                    rep.nodes_replaced.append(f"{src.full}: concat -> {TRACT_QCACHE_OP}")
+                if b.mask is not None:
+                    rep.notes.append(f"attention '{b.output}': mask '{b.mask}' kept as exported")
+            else:
+                head_dim = _static_dim(ctx.removed_inputs[b.key.past][3]) if b.key.past else None
+                op = KIVI_OP if scheme == "kivi" else TRACT_FUSED_OP
+                g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim))
+                rep.nodes_replaced.append(f"{b.output}: matmul -> {op}")
+                if b.mask is not None:
+                    if scheme == "kivi":
+                        rep.notes.append(f"attention '{b.output}': additive mask '{b.mask}' replaced by the op's "
+                                         "causal masking (is_causal = true)")
+                    else:
+                        rep.notes.append(f"attention '{b.output}': mask '{b.mask}' dropped: {TRACT_FUSED_OP} has "
+                                         "no causal mask (a multi-token call attends to its whole cache)")
+        ctx.forget_dead_readers(set(ctx.removed_inputs) | (set(present) if scheme != "tract-cache" else set()))
+        rep.inputs_removed = [n for n in g.inputs if n in ctx.removed_inputs]
+        g.inputs = [n for n in g.inputs if n not in ctx.removed_inputs]
+        rep.outputs_removed = [n for n in g.outputs if n in present]
+        g.outputs = [n for n in g.outputs if n not in present]
+        before = {n.name for n in g.nodes}
+        ctx.dead_code()
+        rep.nodes_removed = sorted(before - {n.name for n in g.nodes})
+        return rep
+
+    def _quantized_cache(self, ctx: ConversionContext, src: CacheSource, per_channel: int) -> None:
+        g = ctx.graph
+        assert src.past is not None
+        past_shape = ctx.removed_inputs[src.past]
+        s = _seq_symbol(ctx)
+        new_shape = list(past_shape)
+        new_shape[2] = A.Identifier(s)
+        rhs = invocation(
+            TRACT_QCACHE_OP, A.Identifier(src.new), name=src.past, axis=2, bits=ctx.options.bits,
+            per_channel=per_channel, datum_type=_datum_type(g, src.past),
+            past_sequence_shape=A.ArrayExpr(tuple(past_shape)), input_sequence_shape=A.ArrayExpr(tuple(new_shape)))
+        g.replace_rhs(src.full, rhs)
+
+
+class DynCachePass:
+    """``tract_transformers_dyn_kv_cache`` (K, V) feeding ``tract_transformers_sdpa``."""
+
+    name = "dyn-cache"
+
+    def run(self, ctx: ConversionContext) -> PassReport:
+        g = ctx.graph
+        rep = PassReport(self.name)
+        blocks, uncached = find_sdpa_attention(g)
+        ctx.uncached += uncached
+        # plain attention over dyn caches is handled the same way
+        plain, _ = find_plain_attention(g)
+        blocks += [b for b in plain if b.key.kind == "dyn"]
+        if not blocks:
+            return rep
+        scheme = ctx.options.scheme
+        drop: set[str] = set()
+        for b in blocks:
+            ctx.blocks.append(b)
+            for src in (b.key, b.value):
+                assert src.node is not None
+                pss = src.node.arg("past_sequence_shape")
+                if isinstance(pss, A.ArrayExpr) and len(pss.items) == 4 and isinstance(pss.items[2], A.Identifier):
+                    ctx.past_symbol = ctx.past_symbol or pss.items[2].name
+                iss = src.node.arg("input_sequence_shape")
+                if isinstance(iss, A.ArrayExpr) and len(iss.items) == 4 and isinstance(iss.items[2], A.Identifier):
+                    ctx.new_symbol = ctx.new_symbol or iss.items[2].name
+            if scheme == "tract-cache":
+                for src, per_channel in ((b.key, 1), (b.value, 0)):
+                    assert src.node is not None and src.node.inv is not None
+                    inv = src.node.inv
+                    args = list(inv.args)
+                    names = [a.name for a in args]
+                    at = names.index("axis") + 1 if "axis" in names else len(args)
+                    args[at:at] = [A.Argument("bits", A.IntegerLiteral(ctx.options.bits)),
+                                   A.Argument("per_channel", A.IntegerLiteral(per_channel))]
+                    g.replace_rhs(src.full, A.Invocation(TRACT_QCACHE_OP, None, tuple(args)))
+                    rep.nodes_replaced.append(f"{src.full}: {DYN_CACHE_OP} -> {TRACT_QCACHE_OP}")
+                continue
+            pss = b.key.node.arg("past_sequence_shape") if b.key.node is not None else None
+            head_dim = _static_dim(pss.items[3]) if isinstance(pss, A.ArrayExpr) and len(pss.items) == 4 else None
+            g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim))
+            rep.nodes_replaced.append(f"{b.output}: {b.kind} -> {KIVI_OP if scheme == 'kivi' else TRACT_FUSED_OP}")
+            drop.update({b.key.full, b.value.full})
+            if b.mask is not None:
+                rep.notes.append(f"attention '{b.output}': mask '{b.mask}' dropped ("
+                                 + ("causal masking by the op)" if scheme == "kivi" else "the tract fused op has no mask)"))
+        if drop:
+            ctx.forget_dead_readers(drop)
+            # the f32 caches are no longer read: remove them (stateful nodes are never dead code)
+            still = {x for n in g.nodes if n.name not in drop for x in identifiers(n.stmt.rhs)}
+            kept = drop & still
+            for name in sorted(drop - kept):
+                i = g.producer[name].index
+                del g.body[i]
+                g.reindex()
+                rep.nodes_removed.append(name)
+        before = {n.name for n in g.nodes}
+        ctx.dead_code()
+        rep.nodes_removed += sorted(before - {n.name for n in g.nodes})
+        return rep
+
+
+class CacheShapeToSymbolPass:
+    """Shapes read from removed cache inputs become expressions of their declared dims (``P``)."""
+
+    name = "cache-shape-to-symbol"
+
+    def run(self, ctx: ConversionContext) -> PassReport:
+        g = ctx.graph
+        rep = PassReport(self.name)
+        for past, dims in ctx.removed_inputs.items():
+            for r in list(g.users(past)):
+                if g.producer.get(r.name) is not None and g.producer[r.name].stmt != r.stmt:
+                    continue  # rewritten meanwhile
+                if r.name not in g.producer:
+                    continue  # removed as dead code by an earlier rewrite
+                if r.op not in ("tract_core_shape_of", "shape_of"):
+                    raise ConversionError(
+                        f"{g.where}: the removed cache input '{past}' is still read by '{r.name}' ({r.op}); "
+                        "only its shape may be used outside the attention")
+                self._rewrite_shape(ctx, r, dims, rep)
+        ctx.dead_code()
+        return rep
+
+    def _rewrite_shape(self, ctx: ConversionContext, shape_node: Node, dims: list[A.Expr], rep: PassReport) -> None:
+        g = ctx.graph
+        for s in list(g.users(shape_node.name)):
+            axes, begin, end = int_list(s.arg("axes")), int_list(s.arg("begin")), int_list(s.arg("end"))
+            if s.op == "slice" and axes == [0] and begin and end and len(begin) == 1 and len(end) == 1 \
+                    and end[0] == begin[0] + 1 and 0 <= begin[0] < len(dims):
+                dim = dims[begin[0]]
+                for q in list(g.users(s.name)):
+                    if q.op == "squeeze" and int_list(q.arg("axes")) == [0]:
+                        g.replace_rhs(q.name, dim)
+                        rep.nodes_replaced.append(f"{q.name} = {_text(dim)}")
+                if g.users(s.name):
+                    g.replace_rhs(s.name, A.ArrayExpr((dim,)))
+                    rep.nodes_replaced.append(f"{s.name} = [{_text(dim)}]")
+        ctx.dead_code()
+        if shape_node.name in g.producer and g.users(shape_node.name):
+            g.replace_rhs(shape_node.name, A.ArrayExpr(tuple(dims)))
+            rep.nodes_replaced.append(f"{shape_node.name} = [{', '.join(_text(d) for d in dims)}]")
+
+
+def _text(e: A.Expr) -> str:
+    from ..grammar import dump_expr
+
+    return dump_expr(e)
+
+
+class PositionBindingPass:
+    """Fused schemes: keep the past-length symbol bound at run time.
+
+    The fused ops carry no ``past_sequence_shape``, so nothing would tell the session (nnef-kv or
+    tract) what ``P`` is once the cache inputs are gone. The pass adds a ``[1, 1, S, 1]`` slice of
+    the first attention's new keys cached by ``tract_transformers_dyn_kv_cache(...,
+    past_sequence_shape = [1, 1, P, 1])``: both runtimes bind ``P`` from that state before a run.
+
+    tract 0.23.9 drops nodes whose output nothing reads (measured: an unread position cache leaves
+    ``P`` undetermined, "Evaluating cachePosition Range: Undetermined symbol in expression: P"), and
+    it folds ``shape_of`` of a symbolic shape to a constant, so reading the cache's shape does not
+    keep it either. The cache therefore enters the data path with an exact zero:
+    ``q' = q + max_reduce(c - c, axes = [2])`` for the first attention (``x + 0.0 == x``).
+    """
+
+    name = "position-binding"
+
+    def run(self, ctx: ConversionContext) -> PassReport:
+        g = ctx.graph
+        rep = PassReport(self.name)
+        p = ctx.past_symbol
+        if ctx.options.scheme == "tract-cache" or p is None or not ctx.blocks:
+            return rep
+        if p not in g.symbols():
+            g.add_extension("tract_symbol", p)
+        uses_p = any(p in set(identifiers(n.stmt.rhs)) for n in g.nodes)
+        if not uses_p:
+            rep.notes.append(f"the graph does not use the past length {p}: no position cache added")
+            return rep
+        block = ctx.blocks[0]
+        s = _seq_symbol(ctx)
+        src = g.fresh(f"{POSITION_CACHE}_input")
+        out = g.fresh(POSITION_CACHE)
+        diff = g.fresh(f"{POSITION_CACHE}_diff")
+        zero = g.fresh(f"{POSITION_CACHE}_zero")
+        qb = g.fresh(f"{block.q}_bound")
+        one = A.IntegerLiteral(1)
+        stmts = [
+            A.Assignment(A.Identifier(src), invocation("slice", A.Identifier(block.key.new), axes=[0, 1, 3],
+                                                        begin=[0, 0, 0], end=[1, 1, 1])),
+            A.Assignment(A.Identifier(out), invocation(
+                DYN_CACHE_OP, A.Identifier(src), name=POSITION_CACHE, axis=2, datum_type="f32",
+                past_sequence_shape=A.ArrayExpr((one, one, A.Identifier(p), one)),
+                input_sequence_shape=A.ArrayExpr((one, one, A.Identifier(s), one)))),
+            A.Assignment(A.Identifier(diff), invocation("sub", A.Identifier(out), A.Identifier(out))),
+            A.Assignment(A.Identifier(zero), invocation("max_reduce", A.Identifier(diff), axes=[2])),
+            A.Assignment(A.Identifier(qb), invocation("add", A.Identifier(block.q), A.Identifier(zero))),
+        ]
+        g.insert_before(block.output, stmts)
+        n = g.producer[block.output]
+        assert n.inv is not None
+        args = tuple(A.Argument(a.name, A.Identifier(qb)) if i == 0 else a for i, a in enumerate(n.inv.args))
+        g.replace_rhs(block.output, A.Invocation(n.inv.name, n.inv.generic, args))
+        rep.nodes_added = [src, out, diff, zero, qb]
+        rep.nodes_replaced = [f"{block.output}: q '{block.q}' -> '{qb}'"]
+        rep.notes.append(f"'{out}' ([1, 1, {p}+{s}, 1] f32, 4 bytes a token) binds {p} from the session state; "
+                         f"it reaches the data path as an exact zero added to '{block.q}' (tract drops unread nodes)")
+        return rep
+
+
+class CleanupPass:
+    """Dead code, tensors no variable reads any more, registry extensions the new ops need."""
+
+    name = "cleanup"
+
+    def run(self, ctx: ConversionContext, model: Any) -> PassReport:
+        g = ctx.graph
+        rep = PassReport(self.name)
+        before = {n.name for n in g.nodes}
+        ctx.dead_code()
+        rep.nodes_removed = sorted(before - {n.name for n in g.nodes})
+        ops = {n.op for n in g.nodes}
+        if ops & {TRACT_FUSED_OP, TRACT_QCACHE_OP, DYN_CACHE_OP}:
+            if not any(e.name == "tract_registry" and e.argument.strip() == "tract_core" for e in g.extensions):
+                g.add_extension("tract_registry", "tract_core")
+                rep.notes.append("extension tract_registry tract_core added")
+            if g.add_extension("tract_registry", "tract_transformers"):
+                rep.notes.append("extension tract_registry tract_transformers added")
+        if KIVI_OP in ops and g.add_extension("nnef_kv"):
+            rep.notes.append("extension nnef_kv added")
+        return rep
