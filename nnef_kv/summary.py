@@ -129,7 +129,12 @@ def summarize(model: Any) -> Summary:
             for inv in walk_invocations(stmt.rhs):
                 counts[inv.name] += 1
                 if inv.name in KV_OPS:
-                    kv.append((names[0] if names else "?", inv.name, KV_OPS[inv.name]))
+                    settings = ", ".join(
+                        f"{a.name} = {_text(a.value)}" for a in inv.args
+                        if a.name is not None and a.name not in ("past_sequence_shape", "input_sequence_shape")
+                    )
+                    desc = KV_OPS[inv.name] + (f"; {settings}" if settings else "")
+                    kv.append((names[0] if names else "?", inv.name, desc))
             rhs = stmt.rhs
             if isinstance(rhs, ast.Invocation) and rhs.name in ("external", "tract_core_external") and names:
                 named = rhs.named()
