@@ -17,6 +17,7 @@ With ``-o out.npz`` the outputs are saved under the same convention (``NAME`` fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -24,6 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from .errors import NnefKvError
+from .limits import Limits, current_limits, using_limits
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
@@ -383,6 +385,11 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nnef-kv", description="NNEF archives with a quantized KV cache.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors (accepted anywhere)")
+    lim = p.add_argument_group("resource limits for untrusted archives (defaults: nnef_kv.limits.Limits)")
+    lim.add_argument("--max-archive-bytes", type=int, help="decompressed bytes read from one archive")
+    lim.add_argument("--max-tensor-bytes", type=int, help="payload bytes of one .dat tensor")
+    lim.add_argument("--max-members", type=int, help="members (files) in one archive or folder")
+    lim.add_argument("--max-nesting", type=int, help="nesting depth of expressions in NNEF text")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     sp = sub.add_parser("inspect", help="graph summary: inputs, outputs, op counts, parameter bytes, KV layout")
@@ -447,6 +454,17 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+_LIMIT_FLAGS = ("max_archive_bytes", "max_tensor_bytes", "max_members", "max_nesting")
+
+
+def _limits_from(args: argparse.Namespace) -> Limits:
+    """The defaults, with every ``--max-*`` flag given on the command line applied (each must be >= 1)."""
+    given = {k: getattr(args, k) for k in _LIMIT_FLAGS if getattr(args, k, None) is not None}
+    for k, v in given.items():
+        _int_at_least("--" + k.replace("_", "-"), v, 1)
+    return dataclasses.replace(current_limits(), **given)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
@@ -458,7 +476,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_OK if exc.code in (0, None) else EXIT_USAGE
     args.debug = debug
     try:
-        return COMMANDS[args.command](args)
+        limits = _limits_from(args)
+        with using_limits(limits):
+            return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("nnef-kv: interrupted", file=sys.stderr)
         return 130

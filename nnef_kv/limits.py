@@ -1,7 +1,10 @@
 """Resource limits applied to untrusted input (archives downloaded from anywhere)."""
 from __future__ import annotations
 
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Iterator
 
 GiB = 1 << 30
 MiB = 1 << 20
@@ -28,3 +31,21 @@ class Limits:
 
 
 DEFAULT_LIMITS = Limits()
+
+
+_CURRENT = ContextVar("nnef_kv_limits", default=DEFAULT_LIMITS)
+
+
+def current_limits() -> Limits:
+    """The limits in force where none are passed explicitly (``DEFAULT_LIMITS`` unless overridden)."""
+    return _CURRENT.get()
+
+
+@contextmanager
+def using_limits(limits: Limits) -> Iterator[Limits]:
+    """``with using_limits(Limits(max_members=10)): nnef_kv.load(p)`` -- used by the CLI's limit flags."""
+    token = _CURRENT.set(limits)
+    try:
+        yield limits
+    finally:
+        _CURRENT.reset(token)

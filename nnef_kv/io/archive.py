@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any, Iterator
 
 from ..errors import ArchiveError
 from ..grammar import ast
-from ..limits import DEFAULT_LIMITS, Limits
+from ..limits import Limits, current_limits
 from .container import Buffer, Member, read_container, write_container
 from .dat import DatInfo, TensorValue, decode_tensor, encode_parts, info_fits
 
@@ -173,7 +173,7 @@ def load(path: str | os.PathLike, limits: Limits | None = None, *, check: bool =
     Nothing is extracted to disk; tensors are views into the mapped files where the container is
     not compressed. ``check`` verifies that every variable has its tensor.
     """
-    limits = limits or DEFAULT_LIMITS
+    limits = limits or current_limits()
     where = os.fspath(path)
     if not os.path.exists(where):
         raise ArchiveError(f"{where}: no such file or folder")

@@ -28,7 +28,7 @@ from typing import BinaryIO, Iterable, Iterator, Sequence
 
 from ..atomic import atomic_dir, atomic_write
 from ..errors import ArchiveError, LimitError
-from ..limits import DEFAULT_LIMITS, Limits
+from ..limits import Limits, current_limits
 from .dat import HEADER_SIZE
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -126,7 +126,7 @@ def container_kind(path: str | os.PathLike) -> str:
 
 def read_container(path: str | os.PathLike, limits: Limits | None = None) -> tuple[str, list[Member]]:
     """``(kind, members)`` of a folder, tar or tgz; members sorted by name."""
-    limits = limits or DEFAULT_LIMITS
+    limits = limits or current_limits()
     kind = container_kind(path)
     reader = {"dir": _read_dir, "tar": _read_tar, "tgz": _read_tgz}[kind]
     members = reader(Path(path), limits)
@@ -277,6 +277,12 @@ def _read_tgz(path: Path, limits: Limits) -> list[Member]:
             raise ArchiveError(f"{where}: not a gzip-compressed tar archive ({e})") from None
         for ti, name in _iter_tar(tf, where, budget):
             _member_limit(name, ti.size, limits, where)
+            # refuse from the header, before inflating: a member cannot hold more than it claims
+            if budget.bytes + ti.size > limits.max_archive_bytes:
+                raise LimitError(
+                    f"{where}: member {name!r} claims {ti.size} bytes, more than max_archive_bytes="
+                    f"{limits.max_archive_bytes} in all"
+                )
             fobj = tf.extractfile(ti)
             assert fobj is not None
             try:

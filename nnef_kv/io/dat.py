@@ -48,7 +48,7 @@ import numpy as np
 
 from ..atomic import atomic_write
 from ..errors import LimitError, TensorFileError
-from ..limits import DEFAULT_LIMITS, Limits
+from ..limits import Limits, current_limits
 from .blockquant import FORMATS as BLOCK_FORMATS
 from .blockquant import BlockQuantTensor
 
@@ -356,7 +356,7 @@ def decode_tensor(
     buffer: bytes | bytearray | memoryview | mmap.mmap, *, name: str = "<tensor>", limits: Limits | None = None
 ) -> tuple[TensorValue, DatInfo]:
     """Decode a whole ``.dat`` file held in memory; arrays are read-only views into ``buffer``."""
-    limits = limits or DEFAULT_LIMITS
+    limits = limits or current_limits()
     view = memoryview(buffer).cast("B") if not isinstance(buffer, memoryview) else buffer.cast("B")
     h = _parse_header(view[:HEADER_SIZE], name)
     return _decode_payload(h, view[HEADER_SIZE:], name, limits)
@@ -374,7 +374,7 @@ def read_tensor(
     Returns a numpy array (a :class:`BlockQuantTensor` for Q4_0/Q8_1), or ``(value, DatInfo)``
     with ``with_info=True``. Errors are :class:`TensorFileError` naming the file.
     """
-    limits = limits or DEFAULT_LIMITS
+    limits = limits or current_limits()
     if isinstance(source, (str, os.PathLike)):
         path = os.fspath(source)
         label = name or path
