@@ -1,0 +1,120 @@
+"""Small shared pieces of the KV caches: rounding, growable buffers, state validation."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InputError, StateError
+
+__all__ = ["round_half_away", "GrowBuffer", "as_f32", "expect_state", "check_qkv"]
+
+
+def round_half_away(x: np.ndarray) -> np.ndarray:
+    """Round half away from zero (Rust ``f32::round``), exactly, keeping the dtype.
+
+    ``np.round`` rounds half to even; ``floor(x + 0.5)`` is wrong for 0.49999997. ``x - trunc(x)`` is
+    exact in binary floating point, so comparing it with 0.5 is exact too.
+    """
+    t = np.trunc(x)
+    frac = x - t
+    return t + np.where(np.abs(frac) >= 0.5, np.sign(x), 0).astype(x.dtype)
+
+
+def as_f32(x: np.ndarray) -> np.ndarray:
+    return np.asarray(x, dtype=np.float32)
+
+
+class GrowBuffer:
+    """An array that grows along ``axis``; ``nbytes`` counts the whole allocated capacity.
+
+    The new capacity is ``max(needed rounded up to min_chunk, ceil(capacity * growth))``: with
+    ``growth > 1`` appends are amortised O(1) and unused capacity is at most a ``growth - 1`` fraction;
+    with ``growth = 1`` the buffer grows by whole chunks (pages) and wastes less than one chunk.
+    """
+
+    def __init__(self, lead: tuple[int, ...], tail: tuple[int, ...], dtype: np.dtype | type,
+                 *, growth: float = 1.25, min_chunk: int = 64) -> None:
+        self.lead = tuple(lead)
+        self.tail = tuple(tail)
+        self.dtype = np.dtype(dtype)
+        self.growth = growth
+        self.min_chunk = min_chunk
+        self.len = 0
+        self.data = np.zeros(self.lead + (0,) + self.tail, dtype=self.dtype)
+
+    @property
+    def axis(self) -> int:
+        return len(self.lead)
+
+    @property
+    def capacity(self) -> int:
+        return self.data.shape[self.axis]
+
+    def reserve(self, total: int) -> None:
+        if total <= self.capacity:
+            return
+        chunked = -(-total // self.min_chunk) * self.min_chunk
+        new_cap = max(chunked, int(np.ceil(self.capacity * self.growth)))
+        new = np.zeros(self.lead + (new_cap,) + self.tail, dtype=self.dtype)
+        new[self._sl(0, self.len)] = self.data[self._sl(0, self.len)]
+        self.data = new
+
+    def _sl(self, a: int, b: int) -> tuple:
+        return (slice(None),) * self.axis + (slice(a, b),)
+
+    def append(self, items: np.ndarray) -> None:
+        k = items.shape[self.axis]
+        self.reserve(self.len + k)
+        self.data[self._sl(self.len, self.len + k)] = items
+        self.len += k
+
+    def view(self, a: int = 0, b: int | None = None) -> np.ndarray:
+        b = self.len if b is None else b
+        return self.data[self._sl(a, b)]
+
+    def drop_front(self, k: int) -> None:
+        """Remove the first ``k`` items (shifts in place; capacity unchanged)."""
+        if k == 0:
+            return
+        rest = self.len - k
+        self.data[self._sl(0, rest)] = self.data[self._sl(k, self.len)].copy()
+        self.len = rest
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    def set_exact(self, arr: np.ndarray) -> None:
+        """Replace contents by ``arr`` (capacity = its length), used when loading state."""
+        arr = np.ascontiguousarray(arr, dtype=self.dtype)
+        self.data = arr.copy()
+        self.len = arr.shape[self.axis]
+
+
+def expect_state(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...] | None,
+                 dtype: np.dtype | type, who: str) -> np.ndarray:
+    """Fetch ``tensors[name]`` and check its dtype and (if given) shape, raising StateError."""
+    if name not in tensors:
+        raise StateError(f"{who}: state tensor {name!r} is missing")
+    arr = np.asarray(tensors[name])
+    if arr.dtype != np.dtype(dtype):
+        raise StateError(f"{who}: state tensor {name!r} has dtype {arr.dtype}, expected {np.dtype(dtype)}")
+    if shape is not None and tuple(arr.shape) != tuple(shape):
+        raise StateError(f"{who}: state tensor {name!r} has shape {tuple(arr.shape)}, expected {tuple(shape)}")
+    return arr
+
+
+def check_qkv(who: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """Validate ``q [B,Hq,Sq,D]``, ``k, v [B,Hkv,Snew,D]``; return ``(B, Hq, Sq, Hkv, Snew, D)``."""
+    for nm, t in (("q", q), ("k", k), ("v", v)):
+        if t is None or np.ndim(t) != 4:
+            raise InputError(f"{who}: {nm} must be a rank-4 [B, H, S, D] tensor, got shape {np.shape(t)}")
+    b, hq, sq, d = q.shape
+    bk, hkv, snew, dk = k.shape
+    if v.shape != k.shape:
+        raise InputError(f"{who}: k {k.shape} and v {v.shape} shapes differ")
+    if bk != b or dk != d:
+        raise InputError(f"{who}: q {q.shape} and k {k.shape} disagree on batch or head_dim")
+    if hkv == 0 or hq % hkv:
+        raise InputError(f"{who}: {hq} query heads is not a multiple of {hkv} kv heads")
+    return b, hq, sq, hkv, snew, d
+

@@ -1,0 +1,706 @@
+"""The accurate KIVI cache + attention of ``nnef_kv_kivi_sdpa`` (NumPy, no graph needed).
+
+Storage, per (batch, kv head), in sequence order::
+
+    [ sinks (f32/f16, forever) | quantized groups (packed codes + f16 params) | residual window (f32/f16) ]
+
+* Keys: asymmetric affine codes **per channel**, one ``(min, step)`` per channel for each group of
+  ``key_group`` tokens, frozen when the group is quantized. Values: **per token**, one ``(min, step)``
+  per group of ``value_group`` channels. ``bits`` 1..8, packed with :mod:`nnef_kv.kv.packing`.
+* The newest ``residual`` tokens (at least) stay in full precision; when the window holds
+  ``residual + key_group`` tokens its oldest ``key_group`` tokens are quantized together (so at most
+  ``residual + key_group - 1`` are in full precision). The first ``sinks`` tokens never are.
+* Group params are stored in ``params`` dtype (``"f16"`` default, ``"f32"`` option); codes are
+  computed against the *stored* (rounded) params, the f16 ``min`` rounded down and ``step`` up so the
+  group range stays covered.
+* Non-finite values (NaN, +-Inf) and, with f16 params, finite values with ``|x| > 16384`` never
+  enter a group's min/max: they are kept exactly in a side table (head, position, channel, value;
+  counted in ``nbytes()['full_precision']``, and on their own in ``['outliers']``), their code is
+  0, and attention adds their exact contribution back. So one NaN key makes the scores of that token NaN (as exact attention would)
+  without spoiling the range of the 31 other tokens of its group.
+* Optional accuracy options (NNEF attributes after the public ones): ``clip`` (MSE-optimal shrink of
+  each group range, searched on a grid), ``rotate`` (orthonormal Hadamard rotation of head_dim for
+  keys and/or values: ``"k"``, ``"v"``, ``"kv"``; q.k and p.V are preserved exactly in real arithmetic).
+
+Attention never builds the f32 cache: the quantized part is read block by block (a multiple of
+``key_group`` tokens per block) into one reusable f32 code buffer; the key step and min are folded
+into the query (``q.k = sum(q*step*code) + sum(q*min)``) and the value step and min into the
+probabilities. Decode (a small ``[heads, rows, T]`` score matrix) takes two passes over the blocks
+(scores, one exact softmax, values); long prefill chunks merge the blocks with an online softmax
+(``score_budget`` picks). Causal masking (``is_causal``) aligns the ``Sq`` queries with the last
+``Sq`` positions of the cache (bottom-right).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from ..errors import GraphError, InputError, StateError
+from .common import GrowBuffer, check_qkv, expect_state
+from .packing import RowCodec
+
+__all__ = ["KiviConfig", "KiviSdpa", "hadamard"]
+
+F16_SAFE = 16384.0  # with f16 params, |x| above this goes to the exact side table
+_CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
+
+
+def hadamard(d: int) -> np.ndarray:
+    """An orthonormal D x D rotation: Sylvester Hadamard / sqrt(D) when D is a power of two, else a
+    fixed (seed 0) random orthogonal matrix."""
+    if d & (d - 1) == 0:
+        h = np.ones((1, 1))
+        while h.shape[0] < d:
+            h = np.block([[h, h], [h, -h]])
+        return (h / np.sqrt(d)).astype(np.float32)
+    rng = np.random.default_rng(0)
+    qm, r = np.linalg.qr(rng.standard_normal((d, d)))
+    return (qm * np.sign(np.diag(r))).astype(np.float32)
+
+
+@dataclass(frozen=True)
+class KiviConfig:
+    """The op's attributes (names as in the NNEF declaration)."""
+
+    scale: float = 0.125
+    bits: int = 4
+    key_group: int = 32
+    value_group: int = 32
+    residual: int = 32
+    sinks: int = 0
+    is_causal: bool = True
+    rotate: str = "none"
+    clip: bool = False
+    params: str = "f16"
+    block_tokens: int = 0  # 0: chosen so that one block of codes is ~1 MiB of f32
+
+    def validate(self, who: str) -> None:
+        if not 1 <= self.bits <= 8:
+            raise GraphError(f"{who}: bits must be in 1..8, got {self.bits}")
+        for nm in ("key_group", "value_group"):
+            if getattr(self, nm) < 1:
+                raise GraphError(f"{who}: {nm} must be >= 1, got {getattr(self, nm)}")
+        for nm in ("residual", "sinks", "block_tokens"):
+            if getattr(self, nm) < 0:
+                raise GraphError(f"{who}: {nm} must be >= 0, got {getattr(self, nm)}")
+        if self.rotate not in ("none", "", "k", "v", "kv"):
+            raise GraphError(f"{who}: rotate must be one of none, k, v, kv, got {self.rotate!r}")
+        if self.params not in ("f16", "f32"):
+            raise GraphError(f"{who}: params must be 'f16' or 'f32', got {self.params!r}")
+
+    @property
+    def param_dtype(self) -> np.dtype:
+        return np.dtype(np.float16 if self.params == "f16" else np.float32)
+
+    def as_array(self) -> np.ndarray:
+        rot = {"none": 0, "": 0, "k": 1, "v": 2, "kv": 3}[self.rotate]
+        return np.array([self.bits, self.key_group, self.value_group, self.residual, self.sinks,
+                         rot, int(self.clip), int(self.params == "f16")], np.int64)
+
+
+def _f32(a: np.ndarray) -> np.ndarray:
+    """f32 copy of stored params; one cast of a whole array (NumPy's f16 cast is ~1.5 ns a value on
+    large arrays, but ~3 ns on the small per-block slices, so params are cast once per call)."""
+    return np.asarray(a, dtype=np.float32)
+
+
+class _Outliers:
+    """Exact side table of values kept out of the quantized groups: (head, position, channel, value)."""
+
+    def __init__(self) -> None:
+        self.head = GrowBuffer((), (), np.int32, min_chunk=16)
+        self.pos = GrowBuffer((), (), np.int64, min_chunk=16)
+        self.chan = GrowBuffer((), (), np.int32, min_chunk=16)
+        self.val = GrowBuffer((), (), np.float32, min_chunk=16)
+
+    def add(self, head: np.ndarray, pos: np.ndarray, chan: np.ndarray, val: np.ndarray) -> None:
+        if head.size:
+            self.head.append(head.astype(np.int32))
+            self.pos.append(pos.astype(np.int64))
+            self.chan.append(chan.astype(np.int32))
+            self.val.append(val.astype(np.float32))
+
+    def __len__(self) -> int:
+        return self.head.len
+
+    def in_range(self, p0: int, p1: int):
+        pos = self.pos.view()
+        sel = np.nonzero((pos >= p0) & (pos < p1))[0]
+        return self.head.view()[sel], pos[sel], self.chan.view()[sel], self.val.view()[sel]
+
+    @property
+    def nbytes(self) -> int:
+        return self.head.nbytes + self.pos.nbytes + self.chan.nbytes + self.val.nbytes
+
+    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
+        return {f"{prefix}_head": self.head.view().copy(), f"{prefix}_pos": self.pos.view().copy(),
+                f"{prefix}_chan": self.chan.view().copy(), f"{prefix}_val": self.val.view().copy()}
+
+    def load(self, tensors: dict[str, np.ndarray], prefix: str, who: str, n: int, tq: int, d: int) -> None:
+        h = expect_state(tensors, f"{prefix}_head", None, np.int32, who)
+        cnt = h.shape[0] if h.ndim == 1 else -1
+        p = expect_state(tensors, f"{prefix}_pos", (cnt,), np.int64, who)
+        c = expect_state(tensors, f"{prefix}_chan", (cnt,), np.int32, who)
+        v = expect_state(tensors, f"{prefix}_val", (cnt,), np.float32, who)
+        if h.ndim != 1 or (cnt and (h.min() < 0 or h.max() >= n or p.min() < 0 or p.max() >= tq
+                                   or c.min() < 0 or c.max() >= d)):
+            raise StateError(f"{who}: side table {prefix} holds entries outside the cache")
+        self.head.set_exact(h)
+        self.pos.set_exact(p)
+        self.chan.set_exact(c)
+        self.val.set_exact(v)
+
+
+class KiviSdpa:
+    """State of one ``nnef_kv_kivi_sdpa`` node: a quantized KV cache and attention over it."""
+
+    WHO = "nnef_kv_kivi_sdpa"
+
+    def __init__(self, axis: int = 2, scale: float = 0.125, bits: int = 4, key_group: int = 32,
+                 value_group: int = 32, residual: int = 32, sinks: int = 0, is_causal: bool = True,
+                 rotate: str = "none", clip: bool = False, params: str = "f16", block_tokens: int = 0,
+                 threads: int = 1, score_budget: int = 1 << 22) -> None:
+        if int(axis) != 2:
+            raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
+        self.axis = 2
+        self.cfg = KiviConfig(scale=float(scale), bits=int(bits), key_group=int(key_group),
+                              value_group=int(value_group), residual=int(residual), sinks=int(sinks),
+                              is_causal=bool(is_causal), rotate=str(rotate), clip=bool(clip),
+                              params=str(params), block_tokens=int(block_tokens))
+        self.cfg.validate(self.WHO)
+        self.levels = float((1 << self.cfg.bits) - 1)
+        self.threads = max(1, int(threads))  # worker threads of the attention (not an NNEF attribute)
+        # bytes of a [heads, rows, T] f32 score matrix up to which the two-pass path is used
+        self.score_budget = int(score_budget)
+        self.reset()
+
+    # ================================================================================== state
+    def reset(self) -> None:
+        self.b = self.hkv = self.d = 0
+        self.vg = 0
+        self.fp_dtype = np.dtype(np.float32)
+        self.len = 0
+        self._ready = False
+        self._pool = None
+
+    def _init(self, b: int, hkv: int, d: int, fp_dtype: np.dtype) -> None:
+        c = self.cfg
+        n = b * hkv
+        self.b, self.hkv, self.d = b, hkv, d
+        self.vg = min(c.value_group, d)
+        if d % self.vg:
+            raise InputError(f"{self.WHO}: head_dim {d} is not a multiple of value_group {c.value_group}")
+        self.nvg = d // self.vg
+        self.fp_dtype = np.dtype(fp_dtype)
+        pdt = c.param_dtype
+        self.codec = RowCodec(c.bits, d)
+        rb = self.codec.row_bytes
+        # codes grow by pages of >= 64 tokens, or 1/32 of what is held: < 3.2% unused capacity
+        page = -(-64 // c.key_group) * c.key_group
+        self.sink_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(c.sinks, 1))
+        self.sink_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(c.sinks, 1))
+        cap = c.residual + c.key_group - 1
+        self.res_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(cap, 1))
+        self.res_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(cap, 1))
+        g = 1.03125
+        self.k_codes = GrowBuffer((n,), (rb,), np.uint8, growth=g, min_chunk=page)
+        self.v_codes = GrowBuffer((n,), (rb,), np.uint8, growth=g, min_chunk=page)
+        gpage = page // c.key_group
+        self.k_min = GrowBuffer((n,), (d,), pdt, growth=g, min_chunk=gpage)
+        self.k_step = GrowBuffer((n,), (d,), pdt, growth=g, min_chunk=gpage)
+        self.v_min = GrowBuffer((n,), (self.nvg,), pdt, growth=g, min_chunk=page)
+        self.v_step = GrowBuffer((n,), (self.nvg,), pdt, growth=g, min_chunk=page)
+        self.k_out = _Outliers()
+        self.v_out = _Outliers()
+        self.rot = hadamard(d) if c.rotate in ("k", "v", "kv") else None
+        self._bufs: dict[int, np.ndarray] = {}
+        self._ready = True
+
+    @property
+    def n_sink(self) -> int:
+        return self.sink_k.len if self._ready else 0
+
+    @property
+    def n_quant(self) -> int:
+        return self.k_codes.len if self._ready else 0
+
+    @property
+    def n_res(self) -> int:
+        return self.res_k.len if self._ready else 0
+
+    # ============================================================================ quantization
+    def _params(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Stored (min, step) for finite ranges [lo, hi] (f32 arrays, inf where a group is empty)."""
+        empty = ~np.isfinite(lo)
+        lo = np.where(empty, 0.0, lo).astype(np.float32)
+        hi = np.where(empty, 0.0, hi).astype(np.float32)
+        pdt = self.cfg.param_dtype
+        mn = lo.astype(pdt)
+        if pdt == np.float16:  # round min down and step up so the stored range covers [lo, hi]
+            mn = np.where(mn.astype(np.float32) > lo, np.nextafter(mn, np.float16(-np.inf)), mn)
+        mn32 = mn.astype(np.float32)
+        st = ((hi - mn32) / np.float32(self.levels)).astype(pdt)
+        if pdt == np.float16:
+            short = mn32 + st.astype(np.float32) * np.float32(self.levels) < hi
+            st = np.where(short, np.nextafter(st, np.float16(np.inf)), st)
+        return mn, st
+
+    def _codes(self, x: np.ndarray, mn: np.ndarray, st: np.ndarray) -> np.ndarray:
+        """Codes of x (NaN = outlier, coded 0) under broadcastable stored params."""
+        mn32 = mn.astype(np.float32)
+        st32 = st.astype(np.float32)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            r = np.where(st32 > 0, (x - mn32) / np.where(st32 > 0, st32, 1), 0)
+        r = np.clip(np.rint(np.nan_to_num(r, nan=0.0)), 0, self.levels)
+        return r.astype(np.uint8)
+
+    def _split_outliers(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """x (f32) -> (x with outliers as NaN, mask of outliers)."""
+        lim = F16_SAFE if self.cfg.param_dtype == np.float16 else np.inf
+        bad = ~np.isfinite(x) | (np.abs(x) > lim)
+        return np.where(bad, np.float32(np.nan), x), bad
+
+    def _range(self, xc: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+        lo = np.fmin.reduce(xc, axis=axis, initial=np.inf)
+        hi = np.fmax.reduce(xc, axis=axis, initial=-np.inf)
+        return lo, hi
+
+    def _fit(self, xc: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+        """Group params along ``axis`` of xc (NaN = ignore); MSE-optimal range shrink when ``clip``."""
+        lo, hi = self._range(xc, axis)
+        if not self.cfg.clip:
+            return self._params(lo, hi)
+        best = None
+        fin = np.isfinite(xc)
+        x0 = np.where(fin, xc, 0)
+        mid = (lo + hi) / 2
+        for a in _CLIP_GRID:
+            mn, st = self._params(mid + a * (lo - mid), mid + a * (hi - mid))
+            mne, ste = np.expand_dims(mn, axis), np.expand_dims(st, axis)
+            rec = mne.astype(np.float32) + self._codes(xc, mne, ste) * ste.astype(np.float32)
+            err = np.sum(np.where(fin, (rec - x0) ** 2, 0), axis=axis)
+            if best is None:
+                best = (err, mn, st)
+            else:
+                better = err < best[0]
+                best = (np.where(better, err, best[0]), np.where(better, mn, best[1]), np.where(better, st, best[2]))
+        return best[1], best[2]
+
+    def _quantize_groups(self, k: np.ndarray, v: np.ndarray) -> None:
+        """Quantize ``ng * key_group`` oldest window tokens: k, v ``[n, ng*kg, D]`` (f32, rotated)."""
+        c = self.cfg
+        n, t, d = k.shape
+        ng = t // c.key_group
+        q0 = self.n_quant
+        # keys: per channel over each group of kg tokens
+        kc, kbad = self._split_outliers(k)
+        kg = kc.reshape(n, ng, c.key_group, d)
+        mn, st = self._fit(kg, axis=2)  # [n, ng, d]
+        codes = self._codes(kg, mn[:, :, None, :], st[:, :, None, :]).reshape(n, t, d)
+        self.k_codes.append(self.codec.pack(codes))
+        self.k_min.append(mn)
+        self.k_step.append(st)
+        if kbad.any():
+            h, tt, ch = np.nonzero(kbad)
+            self.k_out.add(h, tt + q0, ch, k[h, tt, ch])
+        # values: per token over groups of vg channels
+        vc, vbad = self._split_outliers(v)
+        vgp = vc.reshape(n, t, self.nvg, self.vg)
+        mn, st = self._fit(vgp, axis=3)  # [n, t, nvg]
+        codes = self._codes(vgp, mn[..., None], st[..., None]).reshape(n, t, d)
+        self.v_codes.append(self.codec.pack(codes))
+        self.v_min.append(mn)
+        self.v_step.append(st)
+        if vbad.any():
+            h, tt, ch = np.nonzero(vbad)
+            self.v_out.add(h, tt + q0, ch, v[h, tt, ch])
+
+    def _ingest(self, k: np.ndarray, v: np.ndarray) -> None:
+        """k, v: [n, S, D] in storage dtype (already rotated)."""
+        c = self.cfg
+        ns = min(max(c.sinks - self.sink_k.len, 0), k.shape[1])
+        if ns:
+            self.sink_k.append(k[:, :ns])
+            self.sink_v.append(v[:, :ns])
+            k, v = k[:, ns:], v[:, ns:]
+        if k.shape[1] == 0:
+            return
+        wk = np.concatenate([self.res_k.view(), k], axis=1)
+        wv = np.concatenate([self.res_v.view(), v], axis=1)
+        total = wk.shape[1]
+        ng = max(0, (total - c.residual) // c.key_group)
+        nq = ng * c.key_group
+        if nq:
+            self._quantize_groups(wk[:, :nq].astype(np.float32), wv[:, :nq].astype(np.float32))
+        # the window is held at its exact size (at most residual + key_group - 1 tokens)
+        self.res_k.set_exact(wk[:, nq:])
+        self.res_v.set_exact(wv[:, nq:])
+
+    # =============================================================================== attention
+    def _block_tokens(self, n: int) -> int:
+        kg = self.cfg.key_group
+        bt = self.cfg.block_tokens or max(kg, (1 << 18) // max(1, n * self.d))
+        return max(kg, bt // kg * kg)
+
+    def _attend(self, q: np.ndarray, sq: int) -> np.ndarray:
+        """q: [n, M, D] f32 (rotated, M = group * Sq rows; row r is query r % Sq). Returns [n, M, D].
+
+        Heads are independent: with ``threads > 1`` and a long enough cache they are split into
+        contiguous ranges processed in a thread pool (NumPy releases the GIL in its kernels)."""
+        n = q.shape[0]
+        work = self.n_quant * n * self.d
+        nth = min(self.threads, n) if work >= (1 << 20) else 1
+        if nth <= 1:
+            return self._attend_heads(q, sq, 0, n, 0)
+        from concurrent.futures import ThreadPoolExecutor
+
+        bounds = np.linspace(0, n, nth + 1).astype(int)
+        if self._pool is None or self._pool._max_workers != nth:
+            self._pool = ThreadPoolExecutor(max_workers=nth, thread_name_prefix="nnef_kv_kivi")
+        futs = [self._pool.submit(self._attend_heads, q[bounds[i]:bounds[i + 1]], sq, int(bounds[i]),
+                                  int(bounds[i + 1]), i) for i in range(nth)]
+        return np.concatenate([f.result() for f in futs], axis=0)
+
+    def _code_buffer(self, slot: int, n: int, rows: int) -> np.ndarray:
+        buf = self._bufs.get(slot)
+        if buf is None or buf.shape[1] < rows or buf.shape[0] != n:
+            buf = self._bufs[slot] = np.empty((n, rows, self.d), np.float32)
+        return buf
+
+    def _attend_heads(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
+        """Attention for the kv heads ``h0:h1`` (q already restricted to them); ``slot`` names the
+        reusable code buffer of the calling thread. Small score matrices (decode) take the two-pass
+        path, large ones (long prefill chunks) the online softmax; both read the codes block by block."""
+        if self.b * self.hkv * q.shape[1] * self.len * 4 <= self.score_budget:
+            return self._attend_two_pass(q, sq, h0, h1, slot)
+        return self._attend_online(q, sq, h0, h1, slot)
+
+    def _attend_two_pass(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
+        """Scores of every position (``[n, M, T]``, small in decode), one exact softmax, then the
+        values: per block only an unpack and a matmul on each side (few NumPy calls per block)."""
+        c = self.cfg
+        n, m, d = q.shape
+        hs = slice(h0, h1)
+        ns, tq, nr = self.n_sink, self.n_quant, self.n_res
+        total = self.len
+        qpos = (total - sq) + (np.arange(m) % sq)
+        q = q * np.float32(c.scale)
+        qt = q.swapaxes(-1, -2)
+        s = np.empty((n, m, total), np.float32)
+        if ns:
+            s[:, :, :ns] = np.matmul(q, self.sink_k.view()[hs].astype(np.float32).swapaxes(-1, -2))
+        kg = c.key_group
+        bt = self._block_tokens(self.b * self.hkv)
+        if tq:
+            buf_all = self._code_buffer(slot, n, min(bt, tq))
+            kcodes = self.k_codes.view()[hs]
+            kmin, kstep = _f32(self.k_min.view()[hs]), _f32(self.k_step.view()[hs])
+            qs_all = q[:, None, :, :] * kstep[:, :, None, :]  # [n, G, m, d]: step folded into q
+            qmin_all = np.matmul(kmin, qt)[..., None]  # [n, G, m, 1]: q.min per group
+            for t0 in range(0, tq, bt):
+                t1 = min(tq, t0 + bt)
+                g0, g1 = t0 // kg, t1 // kg
+                buf = buf_all[:, : t1 - t0]
+                self.codec.unpack(kcodes[:, t0:t1], out=buf)
+                sb = np.matmul(qs_all[:, g0:g1], buf.reshape(n, g1 - g0, kg, d).swapaxes(-1, -2))
+                sb += qmin_all[:, g0:g1]
+                s[:, :, ns + t0:ns + t1] = sb.swapaxes(1, 2).reshape(n, m, t1 - t0)
+            if len(self.k_out):
+                self._key_fix(s[:, :, ns:ns + tq], q, 0, tq, kmin, kg, h0, h1)
+        if nr:
+            s[:, :, ns + tq:] = np.matmul(q, self.res_k.view()[hs].astype(np.float32).swapaxes(-1, -2))
+        if c.is_causal and total - 1 > int(qpos.min()):
+            s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
+        mx = s.max(axis=-1, keepdims=True)
+        if not mx.min() > -np.inf:  # rows with every position masked
+            mx = np.where(np.isfinite(mx), mx, np.float32(0))
+        p = np.exp(s - mx, out=s)
+        ls = p.sum(axis=-1, keepdims=True)
+        out = np.zeros((n, m, d), np.float32)
+        if ns:
+            out += np.matmul(p[:, :, :ns], self.sink_v.view()[hs].astype(np.float32))
+        if tq:
+            vcodes = self.v_codes.view()[hs]
+            vmin, vstep = _f32(self.v_min.view()[hs]), _f32(self.v_step.view()[hs])
+            pq = p[:, :, ns:ns + tq]
+            if self.nvg == 1:
+                pw = pq * vstep[:, None, :, 0]  # [n, m, Tq]: value step folded into p
+                out += np.matmul(pq, vmin)  # [n, m, 1]: sum_t p_t min_t
+            else:
+                pw = pq[:, None, :, :] * vstep.transpose(0, 2, 1)[:, :, None, :]  # [n, nvg, m, Tq]
+                out += np.repeat(np.matmul(pq, vmin), self.vg, axis=-1)
+            for t0 in range(0, tq, bt):
+                t1 = min(tq, t0 + bt)
+                buf = buf_all[:, : t1 - t0]
+                self.codec.unpack(vcodes[:, t0:t1], out=buf)
+                if self.nvg == 1:
+                    out += np.matmul(pw[:, :, t0:t1], buf)
+                else:
+                    cb = buf.reshape(n, t1 - t0, self.nvg, self.vg).swapaxes(1, 2)  # [n, nvg, nt, vg]
+                    out += np.matmul(pw[..., t0:t1], cb).swapaxes(1, 2).reshape(n, m, d)
+            if len(self.v_out):
+                self._value_fix(out, pq, 0, tq, vmin, h0, h1)
+        if nr:
+            out += np.matmul(p[:, :, ns + tq:], self.res_v.view()[hs].astype(np.float32))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return out / ls
+
+    def _attend_online(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
+        """Online softmax over sinks, blocks of codes and window (bounded memory for long chunks)."""
+        c = self.cfg
+        n, m, d = q.shape
+        hs = slice(h0, h1)
+        total = self.len
+        qpos = (total - sq) + (np.arange(m) % sq)  # absolute position of each query row
+        q = q * np.float32(c.scale)  # scores are (scale q).k: the scale is folded into the query
+        qmin_pos = int(qpos.min())
+        mx = np.full((n, m), -np.inf, np.float32)
+        ls = np.zeros((n, m), np.float32)
+        acc = np.zeros((n, m, d), np.float32)
+
+        def merge(s: np.ndarray, pv_fn, p0: int) -> None:
+            """Online softmax: fold one block of scores (and its values, via pv_fn) into mx/ls/acc."""
+            nonlocal mx, ls, acc
+            blk = s.shape[-1]
+            if c.is_causal and p0 + blk - 1 > qmin_pos:
+                keep = (p0 + np.arange(blk))[None, :] <= qpos[:, None]
+                s = np.where(keep[None], s, np.float32(-np.inf))
+            new = np.maximum(mx, np.max(s, axis=-1))
+            # rows with no finite score yet (all masked) subtract 0 instead of -inf
+            safe = new if new.min() > -np.inf else np.where(np.isfinite(new), new, np.float32(0))
+            alpha = np.exp(mx - safe)
+            p = np.exp(s - safe[..., None])
+            ls = ls * alpha + p.sum(axis=-1)
+            acc = acc * alpha[..., None] + pv_fn(p)
+            mx = new
+
+        qt = np.swapaxes(q, -1, -2)
+        # ---- sinks (full precision)
+        if self.n_sink:
+            ks = self.sink_k.view()[hs].astype(np.float32)
+            vs = self.sink_v.view()[hs].astype(np.float32)
+            merge(np.matmul(q, np.swapaxes(ks, -1, -2)), lambda p: np.matmul(p, vs), 0)
+        # ---- quantized groups, block by block
+        tq = self.n_quant
+        if tq:
+            kg = c.key_group
+            bt = self._block_tokens(self.b * self.hkv)  # same blocks whatever the thread split
+            buf_all = self._code_buffer(slot, n, min(bt, tq))
+            kcodes, vcodes = self.k_codes.view()[hs], self.v_codes.view()[hs]
+            # params of the whole quantized part, f32 (small: 2/key_group + 2/value_group per value)
+            kmin, kstep = _f32(self.k_min.view()[hs]), _f32(self.k_step.view()[hs])
+            vmin, vstep = _f32(self.v_min.view()[hs]), _f32(self.v_step.view()[hs])
+            qmin_all = np.matmul(kmin, qt)  # [n, G, m]
+            for t0 in range(0, tq, bt):
+                t1 = min(tq, t0 + bt)
+                nt = t1 - t0
+                g0, g1 = t0 // kg, t1 // kg
+                gb = g1 - g0
+                buf = buf_all[:, :nt]
+                self.codec.unpack(kcodes[:, t0:t1], out=buf)
+                # scores = sum_c (q*step)_c code_c + sum_c q_c min_c, per group of kg tokens
+                qs = q[:, None, :, :] * kstep[:, g0:g1, None, :]  # [n, gb, m, d]
+                s = np.matmul(qs, buf.reshape(n, gb, kg, d).swapaxes(-1, -2))  # [n, gb, m, kg]
+                s += qmin_all[:, g0:g1, :, None]
+                s = np.swapaxes(s, 1, 2).reshape(n, m, nt)
+                if len(self.k_out):
+                    self._key_fix(s, q, t0, t1, kmin, kg, h0, h1)
+
+                def pv(p: np.ndarray, t0=t0, t1=t1, nt=nt, buf=buf) -> np.ndarray:
+                    self.codec.unpack(vcodes[:, t0:t1], out=buf)
+                    vs = vstep[:, t0:t1]  # [n, nt, nvg]
+                    vm = vmin[:, t0:t1]
+                    if self.nvg == 1:
+                        out = np.matmul(p * vs[:, None, :, 0], buf)  # [n, m, d]
+                        out += np.matmul(p, vm)  # [n, m, 1]
+                    else:
+                        pw = p[:, None, :, :] * np.swapaxes(vs, 1, 2)[:, :, None, :]  # [n, nvg, m, nt]
+                        cb = np.swapaxes(buf.reshape(n, nt, self.nvg, self.vg), 1, 2)  # [n, nvg, nt, vg]
+                        out = np.swapaxes(np.matmul(pw, cb), 1, 2).reshape(n, m, d)
+                        out += np.repeat(np.matmul(p, vm), self.vg, axis=-1)
+                    if len(self.v_out):
+                        self._value_fix(out, p, t0, t1, vmin, h0, h1)
+                    return out
+
+                merge(s, pv, self.n_sink + t0)
+        # ---- residual window (full precision)
+        if self.n_res:
+            kr = self.res_k.view()[hs].astype(np.float32)
+            vr = self.res_v.view()[hs].astype(np.float32)
+            merge(np.matmul(q, np.swapaxes(kr, -1, -2)), lambda p: np.matmul(p, vr),
+                  self.n_sink + tq)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return acc / ls[..., None]
+
+    def _key_fix(self, s, q, t0: int, t1: int, kmin, kg: int, h0: int, h1: int) -> None:
+        h, pos, ch, val = self.k_out.in_range(t0, t1)
+        sel = (h >= h0) & (h < h1)
+        if not sel.any():
+            return
+        h, pos, ch, val = h[sel] - h0, pos[sel], ch[sel], val[sel]
+        base = kmin[h, pos // kg, ch]  # code 0 read back as min
+        with np.errstate(invalid="ignore", over="ignore"):
+            corr = q[h, :, ch] * (val - base)[:, None]  # [cnt, m]
+        np.add.at(np.swapaxes(s, 1, 2), (h, pos - t0), corr)
+
+    def _value_fix(self, out, p, t0: int, t1: int, vmin, h0: int, h1: int) -> None:
+        h, pos, ch, val = self.v_out.in_range(t0, t1)
+        sel = (h >= h0) & (h < h1)
+        if not sel.any():
+            return
+        h, pos, ch, val = h[sel] - h0, pos[sel], ch[sel], val[sel]
+        base = vmin[h, pos, ch // self.vg]
+        with np.errstate(invalid="ignore", over="ignore"):
+            corr = p[h, :, pos - t0] * (val - base)[:, None]  # [cnt, m]
+        np.add.at(np.swapaxes(out, 1, 2), (h, ch), corr)
+
+    # ============================================================================== entry point
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+        b, hq, sq, hkv, snew, d = check_qkv(self.WHO, q, k, v)
+        out_dtype = q.dtype if q.dtype in (np.float16, np.float32) else np.dtype(np.float32)
+        fp = np.dtype(np.float16) if k.dtype == np.float16 and v.dtype == np.float16 else np.dtype(np.float32)
+        if not self._ready:
+            self._init(b, hkv, d, fp)
+        elif (b, hkv, d) != (self.b, self.hkv, self.d):
+            raise InputError(f"{self.WHO}: k {k.shape} does not match the cache built for "
+                             f"B={self.b}, Hkv={self.hkv}, D={self.d}")
+        n = b * hkv
+        k32 = k.astype(np.float32).reshape(n, snew, d)
+        v32 = v.astype(np.float32).reshape(n, snew, d)
+        rk = self.rot is not None and self.cfg.rotate in ("k", "kv")
+        rv = self.rot is not None and self.cfg.rotate in ("v", "kv")
+        if rk:
+            k32 = k32 @ self.rot
+        if rv:
+            v32 = v32 @ self.rot
+        self._ingest(k32.astype(self.fp_dtype), v32.astype(self.fp_dtype))
+        self.len += snew
+        g = hq // hkv
+        qn = q.astype(np.float32).reshape(n, g * sq, d)
+        if rk:
+            qn = qn @ self.rot
+        if self.len == 0 or sq == 0:
+            return np.zeros(q.shape, out_dtype)
+        out = self._attend(qn, sq)
+        if rv:
+            out = out @ self.rot.T
+        return out.reshape(b, hq, sq, d).astype(out_dtype)
+
+    # ================================================================================ protocol
+    def state_tensors(self) -> dict[str, np.ndarray]:
+        cfg = self.cfg.as_array()
+        if not self._ready:
+            return {"config": cfg, "shape": np.zeros(5, np.int64)}
+        st = {
+            "config": cfg,
+            "shape": np.array([self.b, self.hkv, self.d, self.len, int(self.fp_dtype == np.float16)], np.int64),
+            "sink_k": self.sink_k.view().copy(), "sink_v": self.sink_v.view().copy(),
+            "res_k": self.res_k.view().copy(), "res_v": self.res_v.view().copy(),
+            "k_codes": self.k_codes.view().copy(), "v_codes": self.v_codes.view().copy(),
+            "k_min": self.k_min.view().copy(), "k_step": self.k_step.view().copy(),
+            "v_min": self.v_min.view().copy(), "v_step": self.v_step.view().copy(),
+        }
+        st.update(self.k_out.arrays("k_out"))
+        st.update(self.v_out.arrays("v_out"))
+        return st
+
+    def load_state_tensors(self, tensors: dict[str, np.ndarray]) -> None:
+        who = self.WHO
+        cfg = expect_state(tensors, "config", (8,), np.int64, who)
+        if not np.array_equal(cfg, self.cfg.as_array()):
+            raise StateError(f"{who}: saved state was made with config {cfg.tolist()} "
+                             f"(bits, key_group, value_group, residual, sinks, rotate, clip, f16 params), "
+                             f"this node has {self.cfg.as_array().tolist()}")
+        shape = expect_state(tensors, "shape", (5,), np.int64, who)
+        b, hkv, d, t, f16 = (int(x) for x in shape)
+        if min(b, hkv, d, t) < 0 or f16 not in (0, 1):
+            raise StateError(f"{who}: invalid state shape {shape.tolist()}")
+        self.reset()
+        if b == 0:
+            return
+        c = self.cfg
+        self._init(b, hkv, d, np.float16 if f16 else np.float32)
+        n = b * hkv
+        ns = min(t, c.sinks)
+        rest = t - ns
+        sk = expect_state(tensors, "sink_k", (n, ns, d), self.fp_dtype, who)
+        sv = expect_state(tensors, "sink_v", (n, ns, d), self.fp_dtype, who)
+        kc = expect_state(tensors, "k_codes", None, np.uint8, who)
+        if kc.ndim != 3 or kc.shape[0] != n or kc.shape[2] != self.codec.row_bytes or kc.shape[1] % c.key_group:
+            raise StateError(f"{who}: k_codes has shape {kc.shape}, expected ({n}, multiple of {c.key_group}, "
+                             f"{self.codec.row_bytes}) for {c.bits}-bit codes")
+        tq = kc.shape[1]
+        expected_tq = max(0, (rest - c.residual) // c.key_group) * c.key_group
+        if tq != expected_tq:
+            raise StateError(f"{who}: {tq} quantized tokens in k_codes, but a cache of {t} tokens holds "
+                             f"{expected_tq} with residual {c.residual}, key_group {c.key_group}, sinks {c.sinks}")
+        nr = rest - tq
+        vc = expect_state(tensors, "v_codes", (n, tq, self.codec.row_bytes), np.uint8, who)
+        pdt = c.param_dtype
+        ng = tq // c.key_group
+        kmn = expect_state(tensors, "k_min", (n, ng, d), pdt, who)
+        kst = expect_state(tensors, "k_step", (n, ng, d), pdt, who)
+        vmn = expect_state(tensors, "v_min", (n, tq, self.nvg), pdt, who)
+        vst = expect_state(tensors, "v_step", (n, tq, self.nvg), pdt, who)
+        rk = expect_state(tensors, "res_k", (n, nr, d), self.fp_dtype, who)
+        rv = expect_state(tensors, "res_v", (n, nr, d), self.fp_dtype, who)
+        if c.bits < 8 and tq:
+            check = self.codec.pack(self.codec.unpack(kc[:, :1]))
+            if not np.array_equal(check, kc[:, :1]):
+                raise StateError(f"{who}: k_codes are not valid {c.bits}-bit packed codes")
+        self.sink_k.set_exact(sk)
+        self.sink_v.set_exact(sv)
+        self.res_k.set_exact(rk)
+        self.res_v.set_exact(rv)
+        for buf, arr in ((self.k_codes, kc), (self.v_codes, vc), (self.k_min, kmn), (self.k_step, kst),
+                         (self.v_min, vmn), (self.v_step, vst)):
+            buf.reserve(arr.shape[1])
+            buf.append(arr)
+        self.k_out.load(tensors, "k_out", who, n, tq, d)
+        self.v_out.load(tensors, "v_out", who, n, tq, d)
+        self.len = t
+
+    def nbytes(self) -> dict[str, int]:
+        if not self._ready:
+            return {"codes": 0, "params": 0, "full_precision": 0, "outliers": 0,
+                    "f32_equivalent": 0, "f16_equivalent": 0}
+        n_values = 2 * self.b * self.hkv * self.len * self.d
+        return {
+            "codes": self.k_codes.nbytes + self.v_codes.nbytes,
+            "params": self.k_min.nbytes + self.k_step.nbytes + self.v_min.nbytes + self.v_step.nbytes,
+            # the exact side table is full precision too; "outliers" repeats its share for information
+            "full_precision": (self.sink_k.nbytes + self.sink_v.nbytes + self.res_k.nbytes + self.res_v.nbytes
+                               + self.k_out.nbytes + self.v_out.nbytes),
+            "outliers": self.k_out.nbytes + self.v_out.nbytes,
+            "f32_equivalent": 4 * n_values,
+            "f16_equivalent": 2 * n_values,
+        }
+
+    # ================================================================================ helpers
+    def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cache as the attention sees it, K and V ``[B, Hkv, T, D]`` f32, in the *rotated*
+        basis when ``rotate`` is on (for tests and measurements; attention never calls this)."""
+        n, d = self.b * self.hkv, self.d
+        kg = self.cfg.key_group
+        tq = self.n_quant
+        kc = self.codec.unpack(self.k_codes.view()).astype(np.float32)
+        kq = (self.k_min.view().astype(np.float32)[:, :, None, :]
+              + kc.reshape(n, tq // kg, kg, d) * self.k_step.view().astype(np.float32)[:, :, None, :]).reshape(n, tq, d)
+        vc = self.codec.unpack(self.v_codes.view()).astype(np.float32).reshape(n, tq, self.nvg, self.vg)
+        vq = (self.v_min.view().astype(np.float32)[..., None] + vc * self.v_step.view().astype(np.float32)[..., None]).reshape(n, tq, d)
+        h, pos, ch, val = self.k_out.in_range(0, tq)
+        kq[h, pos, ch] = val
+        h, pos, ch, val = self.v_out.in_range(0, tq)
+        vq[h, pos, ch] = val
+        kf = np.concatenate([self.sink_k.view().astype(np.float32), kq, self.res_k.view().astype(np.float32)], 1)
+        vf = np.concatenate([self.sink_v.view().astype(np.float32), vq, self.res_v.view().astype(np.float32)], 1)
+        return kf.reshape(self.b, self.hkv, self.len, d), vf.reshape(self.b, self.hkv, self.len, d)
+
+    def with_config(self, **changes) -> "KiviSdpa":
+        """A fresh, empty cache with some attributes changed."""
+        c = replace(self.cfg, **changes)
+        return KiviSdpa(scale=c.scale, bits=c.bits, key_group=c.key_group, value_group=c.value_group,
+                        residual=c.residual, sinks=c.sinks, is_causal=c.is_causal, rotate=c.rotate,
+                        clip=c.clip, params=c.params, block_tokens=c.block_tokens)

@@ -1,0 +1,59 @@
+"""Registration of the quantized-KV stateful kernels with the interpreter's registry.
+
+Each registered class is built once per session as ``cls(**attrs)`` and called ``state(*tensors)``
+per run; the math lives in plain classes (:mod:`.tract_fused`, :mod:`.tract_dyn_cache`,
+:mod:`.kivi`) that work without any graph.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..interpreter.registry import stateful
+from .kivi import KiviSdpa
+from .tract_dyn_cache import TractQuantizedDynKvCache
+from .tract_fused import TractQuantizedKvSdpa
+
+__all__ = ["QuantizedKvSdpaKernel", "QuantizedDynKvCacheKernel", "KiviSdpaKernel", "KIVI_SIGNATURE"]
+
+KIVI_DECL_FILE = Path(__file__).resolve().parents[1] / "grammar" / "nnef_kv_ops.nnef"
+
+
+def _kivi_signature() -> str:
+    """The fragment declaration of nnef_kv_kivi_sdpa, read from the shipped .nnef file (comments stripped)."""
+    lines = [ln.split("#", 1)[0] for ln in KIVI_DECL_FILE.read_text().splitlines()]
+    text = " ".join(ln.strip() for ln in lines if ln.strip())
+    return text.strip()
+
+
+KIVI_SIGNATURE = _kivi_signature()
+
+QUANTIZED_KV_SDPA_SIGNATURE = (
+    "fragment tract_transformers_quantized_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, "
+    "axis: integer = 2, scale: scalar = 0.0) -> (output: tensor<scalar>);"
+)
+QUANTIZED_DYN_KV_CACHE_SIGNATURE = (
+    "fragment tract_transformers_quantized_dyn_kv_cache(input: tensor<scalar>, name: string, axis: integer, "
+    "bits: integer, per_channel: integer, datum_type: string, past_sequence_shape: integer[], "
+    "input_sequence_shape: integer[]) -> (output: tensor<scalar>);"
+)
+
+
+@stateful(QUANTIZED_KV_SDPA_SIGNATURE, "tract_transformers")
+class QuantizedKvSdpaKernel(TractQuantizedKvSdpa):
+    """``tract_transformers_quantized_kv_sdpa``; ``scale = 0.0`` (the default) means tract's absent
+    scale, ``1 / sqrt(D)``."""
+
+
+@stateful(QUANTIZED_DYN_KV_CACHE_SIGNATURE, "tract_transformers")
+class QuantizedDynKvCacheKernel(TractQuantizedDynKvCache):
+    """``tract_transformers_quantized_dyn_kv_cache``."""
+
+    def __init__(self, name: str = "", axis: int = 2, bits: int = 8, per_channel: int = 0,
+                 datum_type: str = "f32", past_sequence_shape=(), input_sequence_shape=()) -> None:
+        super().__init__(name=name, axis=axis, bits=bits, per_channel=per_channel, datum_type=datum_type,
+                         past_sequence_shape=past_sequence_shape, input_sequence_shape=input_sequence_shape)
+
+
+@stateful(KIVI_SIGNATURE, "nnef_kv")
+class KiviSdpaKernel(KiviSdpa):
+    """``nnef_kv_kivi_sdpa`` (declaration in ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""
