@@ -1,0 +1,269 @@
+"""Sessions: run a planned model, own the state of its stateful nodes (KV caches).
+
+``Session(model)`` plans the model once (the plan is cached on the model object) and creates one state
+object per stateful node with ``primitive.state_factory(**attrs)``. ``run`` checks every input first, so a
+refused run leaves the state untouched. Two sessions of one model share the plan, never state.
+"""
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import re
+import shutil
+import tarfile
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from ..atomic import atomic_write
+from ..errors import GraphError, NnefKvError, StateError
+from ..grammar import ast as A
+from .plan import Plan, _symbolic_attrs, bind_inputs, build_plan
+
+STATE_FORMAT = "nnef-kv-session-state"
+STATE_MANIFEST = "state.json"
+
+
+@dataclass
+class DocumentModel:
+    """The least a session needs: a parsed document and its tensors (tests, in-memory graphs)."""
+
+    document: A.Document
+    tensors: dict[str, Any] = field(default_factory=dict)
+    quantization: Any = None
+    source: str | None = None
+
+    def session(self, state: Any = None) -> "Session":
+        return Session(self, state=state)
+
+
+def _submodel_loader(model: Any) -> Any:
+    """``label -> Model`` for ``tract_core_submodel``: ``label.nnef.tgz`` / ``.nnef.tar`` or folder ``label/``
+    among the model's resources (or beside its source folder)."""
+
+    def load_sub(label: str) -> Any:
+        from .. import load
+
+        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", label) or ".." in label:
+            raise GraphError(f"sub-model label {label!r} is not a plain file name")
+
+        resources: dict[str, bytes] = getattr(model, "resources", None) or {}
+        source = getattr(model, "source", None)
+        tmp = Path(tempfile.mkdtemp(prefix="nnef-kv-submodel-"))
+        try:
+            for suffix in (".nnef.tgz", ".nnef.tar", ".nnef.tar.gz", ".tgz", ".tar"):
+                if label + suffix in resources:
+                    target = tmp / (label + suffix)
+                    target.write_bytes(bytes(resources[label + suffix]))
+                    return load(target)
+            members = {k[len(label) + 1:]: v for k, v in resources.items() if k.startswith(label + "/")}
+            if members:
+                for name, data in members.items():
+                    target = tmp / label / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(bytes(data))
+                return load(tmp / label)
+            if source and Path(source).is_dir():
+                for cand in (Path(source) / (label + ".nnef.tgz"), Path(source) / (label + ".nnef.tar"),
+                             Path(source) / label):
+                    if cand.exists():
+                        return load(cand)
+            raise GraphError(f"no sub-model '{label}' ({label}.nnef.tgz, {label}.nnef.tar or {label}/) in the model")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    return load_sub
+
+
+def get_plan(model: Any) -> Plan:
+    """The model's plan, built on first use and cached on the model object (rebuilt if its document changed)."""
+    cached = getattr(model, "__dict__", {}).get("_nnef_kv_plan")
+    if cached is not None and cached[0] is model.document:
+        return cached[1]
+    from .graph import build_graph
+
+    source = getattr(model, "source", None)
+    filename = f"{source}/graph.nnef" if source else "graph.nnef"
+    graph = build_graph(model.document, getattr(model, "tensors", {}) or {}, getattr(model, "quantization", None),
+                        filename, _submodel_loader(model))
+    plan = build_plan(graph)
+    # identity for saved state: the document (structure, literals) as well as the nodes and attributes
+    plan.fingerprint = hashlib.sha256((plan.fingerprint + repr(model.document)).encode()).hexdigest()
+    try:
+        object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
+    except (AttributeError, TypeError):
+        pass
+    return plan
+
+
+def _length_binding(node: Any, state: Any) -> dict[str, int]:
+    """Fallback for states without ``symbol_bindings()``: the symbol at ``axis`` of ``past_sequence_shape``
+    is the state's current length (``length`` or ``len`` attribute)."""
+    shape = _symbolic_attrs(node.attrs).get("past_sequence_shape")
+    axis = node.attrs.get("axis")
+    n = getattr(state, "length", getattr(state, "len", None))
+    if not isinstance(shape, list) or not isinstance(axis, int) or n is None or not 0 <= axis < len(shape):
+        return {}
+    return {shape[axis]: int(n)} if isinstance(shape[axis], str) else {}
+
+
+class Session:
+    """Runs a model; holds one state per stateful node.
+
+    ``outputs = session.run({"input": x})`` returns a dict by output name in the graph's output order.
+    """
+
+    def __init__(self, model: Any, state: str | os.PathLike | None = None) -> None:
+        self.model = model
+        self.plan = get_plan(model)
+        self.states: list[Any] = []
+        for _, node in self.plan.stateful:
+            factory = node.prim.state_factory
+            assert factory is not None
+            try:
+                self.states.append(factory(**_symbolic_attrs(node.attrs)))
+            except NnefKvError:
+                raise
+            except Exception as exc:
+                raise GraphError(f"{node.location}: cannot create the state of {node.op} '{node.name}': {exc}") from exc
+        if state is not None:
+            self.load_state(state)
+
+    # -- running -------------------------------------------------------------------------------
+    @property
+    def input_names(self) -> list[str]:
+        return self.plan.input_names
+
+    @property
+    def output_names(self) -> list[str]:
+        return self.plan.output_names
+
+    def run(self, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
+        """Run the graph once on ``inputs`` (by input name); returns outputs by name, in graph order."""
+        plan = self.plan
+        v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
+        st = self.states
+        i = 0
+        try:
+            for step in plan.steps:
+                step(v, st)
+                i += 1
+        except NnefKvError:
+            raise
+        except Exception as exc:
+            node = plan.step_nodes[i]
+            raise GraphError(f"{node.location}: {node.op} '{node.name}' failed: {type(exc).__name__}: {exc}") from exc
+        return {name: v[slot] for name, slot in plan.outputs}
+
+    __call__ = run
+
+    def _state_symbols(self) -> dict[str, tuple[int, str]]:
+        """Symbols bound by the states (a KV cache binds ``P`` to its current length)."""
+        out: dict[str, tuple[int, str]] = {}
+        for (_, node), s in zip(self.plan.stateful, self.states):
+            fn = getattr(s, "symbol_bindings", None)
+            pairs = fn() if fn is not None else _length_binding(node, s)
+            for sym, n in pairs.items():
+                if sym in out and out[sym][0] != n:
+                    raise StateError(f"symbol {sym} is {out[sym][0]} in {out[sym][1]} but {n} in '{node.name}'")
+                out.setdefault(sym, (int(n), f"state of '{node.name}'"))
+        return out
+
+    def reset(self) -> None:
+        """Forget everything the stateful nodes accumulated (a new sequence)."""
+        for s in self.states:
+            s.reset()
+
+    # -- KV accounting -------------------------------------------------------------------------
+    def kv_cache_bytes(self) -> dict[str, int]:
+        """Bytes held by all stateful nodes, summed key by key, plus ``total`` = codes+params+full_precision."""
+        out: dict[str, int] = {"codes": 0, "params": 0, "full_precision": 0}
+        for s in self.states:
+            nb = getattr(s, "nbytes", None)
+            if nb is None:
+                continue
+            for k, n in nb().items():
+                out[k] = out.get(k, 0) + int(n)
+        out["total"] = out["codes"] + out["params"] + out["full_precision"]
+        return out
+
+    # -- state persistence ---------------------------------------------------------------------
+    def save_state(self, path: str | os.PathLike) -> None:
+        """Write every state's tensors as ``.dat`` files in a tar archive, with a manifest naming the model."""
+        from ..io.dat import write_tensor
+
+        manifest: dict[str, Any] = {"format": STATE_FORMAT, "version": 1, "model": self.plan.fingerprint,
+                                    "nodes": []}
+        members: list[tuple[str, bytes]] = []
+        for (k, node), s in zip(self.plan.stateful, self.states):
+            tensors = s.state_tensors()
+            entry = {"index": k, "name": node.name, "op": node.op, "tensors": {}}
+            for tname, arr in tensors.items():
+                member = f"state/{k}/{tname}.dat"
+                buf = io.BytesIO()
+                write_tensor(buf, np.ascontiguousarray(arr))
+                members.append((member, buf.getvalue()))
+                entry["tensors"][tname] = member
+            manifest["nodes"].append(entry)
+        members.insert(0, (STATE_MANIFEST, json.dumps(manifest, indent=1).encode()))
+        with atomic_write(path) as f:
+            with tarfile.open(fileobj=f, mode="w") as tar:
+                for name, data in members:
+                    info = tarfile.TarInfo(name)
+                    info.size = len(data)
+                    info.mode = 0o644
+                    tar.addfile(info, io.BytesIO(data))
+
+    def load_state(self, path: str | os.PathLike) -> None:
+        """Restore states written by :meth:`save_state`; a state of another model -> StateError."""
+        from ..io.dat import read_tensor
+
+        try:
+            with tarfile.open(path, mode="r") as tar:
+                files: dict[str, bytes] = {}
+                for m in tar.getmembers():
+                    if not m.isfile():
+                        continue
+                    fh = tar.extractfile(m)
+                    if fh is not None:
+                        files[m.name] = fh.read()
+        except (OSError, tarfile.TarError) as exc:
+            raise StateError(f"{path}: not a saved session state: {exc}") from None
+        if STATE_MANIFEST not in files:
+            raise StateError(f"{path}: no {STATE_MANIFEST} (not a saved session state)")
+        try:
+            manifest = json.loads(files[STATE_MANIFEST])
+        except ValueError as exc:
+            raise StateError(f"{path}: damaged manifest: {exc}") from None
+        if manifest.get("format") != STATE_FORMAT:
+            raise StateError(f"{path}: not a saved session state (format {manifest.get('format')!r})")
+        if manifest.get("model") != self.plan.fingerprint:
+            raise StateError(f"{path}: the state was saved from another model")
+        entries = manifest.get("nodes", [])
+        if len(entries) != len(self.states):
+            raise StateError(f"{path}: {len(entries)} stateful nodes saved, the model has {len(self.states)}")
+        loaded: list[dict[str, np.ndarray]] = []
+        for (k, node), entry in zip(self.plan.stateful, entries):
+            if entry.get("name") != node.name or entry.get("op") != node.op:
+                raise StateError(f"{path}: saved node {entry.get('name')!r} does not match '{node.name}'")
+            tensors = {}
+            for tname, member in entry.get("tensors", {}).items():
+                if member not in files:
+                    raise StateError(f"{path}: missing {member}")
+                try:
+                    tensors[tname] = read_tensor(io.BytesIO(files[member]))
+                except NnefKvError as exc:
+                    raise StateError(f"{path}: {member}: {exc}") from None
+            loaded.append(tensors)
+        for s, tensors in zip(self.states, loaded):
+            try:
+                s.load_state_tensors(tensors)
+            except StateError:
+                raise
+            except Exception as exc:
+                raise StateError(f"{path}: cannot restore state: {exc}") from exc
