@@ -4,7 +4,7 @@
     text = dump(doc)                              # canonical NNEF text
     quant = parse_quant(text, filename="graph.quant"); text = dump_quant(quant)
 
-Choices where tract and the Khronos parser differ are listed in ``FORMAT_NOTES.md``.
+Choices where tract and the Khronos parser differ are listed in the README, section "Format notes".
 """
 from __future__ import annotations
 
