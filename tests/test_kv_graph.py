@@ -89,3 +89,41 @@ def test_tract_ops_in_a_graph():
         np.testing.assert_array_equal(res["o"], fused(x["q"], x["k"], x["v"]))
         np.testing.assert_array_equal(res["kc"], cache(x["k"]))
         assert res["kc"].shape == (1, 2, i + 1, 16)
+
+
+def test_dyn_cache_binds_past_length_symbol():
+    """The storage-only cache binds the symbol of ``past_sequence_shape[axis]`` to the tokens it
+    holds before a run (what the session uses for ``P``); other forms bind nothing."""
+    rng = np.random.default_rng(3)
+    c = TractQuantizedDynKvCache(name="k0", bits=8, per_channel=0, past_sequence_shape=[1, 2, "P", 16])
+    assert c.symbol_bindings() == {"P": 0}
+    for t in (3, 1, 5):
+        c(rng.standard_normal((1, 2, t, 16)).astype(np.float32))
+    assert c.symbol_bindings() == {"P": 9}
+    restored = TractQuantizedDynKvCache(name="k0", bits=8, per_channel=0, past_sequence_shape=[1, 2, "P", 16])
+    restored.load_state_tensors(c.state_tensors())
+    assert restored.symbol_bindings() == {"P": 9}
+    restored.reset()
+    assert restored.symbol_bindings() == {"P": 0}
+    for shape in ([1, 2, 7, 16], [1, 2, "P + 1", 16], [1, 2], (), None):
+        assert TractQuantizedDynKvCache(past_sequence_shape=shape).symbol_bindings() == {}
+
+
+def test_session_binds_past_length_from_the_cache():
+    """Through a session: an input declared ``[1, P]`` must have the cache's past length, one more
+    each run; a wrong length is refused before any state changes."""
+    from nnef_kv.errors import InputError
+
+    text = TRACT_GRAPH.replace("graph g(q, k, v) -> (o, kc) {", "graph g(q, k, v, past) -> (o, kc, pk) {").replace(
+        '  o = tract_transformers_quantized_kv_sdpa', '  past = external<scalar>(shape = [1, P]);\n'
+        '  pk = add(past, 1.0);\n  o = tract_transformers_quantized_kv_sdpa')
+    sess = _session(text).session()
+    rng = np.random.default_rng(4)
+    for i in range(5):
+        x = dict(_feed(rng), past=np.zeros((1, i), np.float32))
+        res = sess.run(x)
+        assert res["kc"].shape == (1, 2, i + 1, 16) and res["pk"].shape == (1, i)
+        assert sess._state_symbols()["P"][0] == i + 1
+    with pytest.raises(InputError, match="P"):
+        sess.run(dict(_feed(rng), past=np.zeros((1, 3), np.float32)))
+    assert sess._state_symbols()["P"][0] == 5  # the refused run did not touch the caches

@@ -287,3 +287,65 @@ def test_storage_does_not_depend_on_chunking(chunks, bits, sinks, residual, key_
         np.testing.assert_array_equal(sa[name], sb[name], err_msg=name)
     if t - b.n_sink >= residual:
         assert residual <= b.n_res <= residual + key_group - 1
+
+
+@pytest.mark.parametrize("path", ["two_pass", "online"])
+@pytest.mark.parametrize("bits,key_group,d,value_group,params", [
+    (4, 8, 16, 16, "f16"),   # token-planar groups, one value group
+    (2, 8, 16, 4, "f32"),    # token-planar, 4 value groups, f32 params (no in-place folding)
+    (1, 8, 16, 8, "f16"),    # 8 bit fields
+    (1, 4, 16, 16, "f16"),   # group not a multiple of 8 codes a byte: row layout
+    (4, 8, 6, 6, "f16"),     # small even head_dim: token-planar
+    (4, 8, 5, 5, "f16"),     # odd head_dim: row layout with a padding nibble
+    (8, 8, 16, 16, "f32"),
+    (3, 8, 16, 16, "f16"),   # split fields 2 + 1
+    (5, 8, 8, 4, "f16"),     # split 4 + 1
+    (6, 4, 16, 16, "f16"),   # split 4 + 2
+    (7, 8, 8, 8, "f32"),     # split 4 + 2 + 1
+    (3, 4, 16, 16, "f16"),   # group not a multiple of 8: bitstream rows
+    (3, 8, 6, 6, "f16"),     # 6 * 3 bits not whole bytes: bitstream rows
+])
+def test_attention_on_every_code_layout_equals_exact_attention(path, bits, key_group, d, value_group, params):
+    """Every code layout (bytes, token-planar groups, split fields, rows), with the last block of codes partial, GQA
+    (several query rows per kv head), prefill chunks and decode steps."""
+    rng = np.random.default_rng(bits * 100 + d)
+    op = KiviSdpa(scale=0.3, bits=bits, key_group=key_group, value_group=value_group, residual=4, sinks=1,
+                  params=params, block_tokens=3 * key_group, score_budget=1 << 22 if path == "two_pass" else 0)
+    for s in [29, 1, 1, 6] + [1] * 12:
+        q, k, v = _qkv(rng, 1, 6, 2, s, d)
+        out = op(q, k, v)
+        kd, vd = op.dequantized()
+        np.testing.assert_allclose(out, softmax_attention(q, kd, vd, 0.3, _causal(op.len, s)), rtol=1e-5, atol=2e-6)
+    assert op.n_quant // key_group >= 4 and (op.n_quant // key_group) % 3  # a partial last block
+    splits = {3: (2, 1), 5: (4, 1), 6: (4, 2), 7: (4, 2, 1)}
+    if bits == 8:
+        layout = "bytes"
+    elif bits in (1, 2, 4):
+        layout = "token_planar" if d % (8 // bits) == 0 and key_group % (8 // bits) == 0 else "rows"
+    else:
+        ok = (d * bits) % 8 == 0 and all(key_group % (8 // w) == 0 for w in splits[bits])
+        layout = "split" if ok else "rows"
+    assert op.codec.layout == layout
+
+
+def test_state_of_token_planar_codes_round_trips_and_old_layout_is_refused():
+    rng = np.random.default_rng(11)
+    kw = dict(scale=0.2, bits=4, key_group=8, value_group=8, residual=8)
+    a = KiviSdpa(**kw)
+    for s in [40, 1, 1]:
+        a(*_qkv(rng, 1, 4, 2, s, 16))
+    assert a.codec.token_planar
+    st = a.state_tensors()
+    b = KiviSdpa(**kw)
+    b.load_state_tensors({k: x.copy() for k, x in st.items()})
+    for _ in range(12):
+        x = _qkv(rng, 1, 4, 2, 1, 16)
+        np.testing.assert_array_equal(a(*x), b(*x))
+    # a state written with the previous (row-planar, 8-entry config) layout is refused, not misread
+    with pytest.raises(StateError, match="config"):
+        KiviSdpa(**kw).load_state_tensors(dict(st, config=st["config"][:8]))
+    for name in ("k_min", "v_step"):
+        bad = st[name].copy()
+        bad.flat[0] = np.inf
+        with pytest.raises(StateError, match=name):
+            KiviSdpa(**kw).load_state_tensors(dict(st, **{name: bad}))

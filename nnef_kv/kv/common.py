@@ -5,7 +5,7 @@ import numpy as np
 
 from ..errors import InputError, StateError
 
-__all__ = ["round_half_away", "GrowBuffer", "as_f32", "expect_state", "check_qkv"]
+__all__ = ["round_half_away", "GrowBuffer", "as_f32", "f16_to_f32", "expect_state", "check_qkv"]
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -21,6 +21,41 @@ def round_half_away(x: np.ndarray) -> np.ndarray:
 
 def as_f32(x: np.ndarray) -> np.ndarray:
     return np.asarray(x, dtype=np.float32)
+
+
+_F16_MASK = np.int32(-0x70000001)  # 0x8FFFFFFF: keeps the sign bit, clears bits 28..30
+_F16_SCALE = np.float32(2.0 ** 112)  # 2 ** (127 - 15): f16 exponent bias -> f32 exponent bias
+
+
+def _subnormals_kept() -> bool:
+    """False when the thread flushes f32 subnormal inputs/results to zero (DAZ/FTZ set by some library)."""
+    return bool(np.float32(1e-45) * np.float32(2.0) != 0)
+
+
+def f16_to_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """Exact f32 values of *finite* f16 ``a`` (any strides), ~4x faster than NumPy's f16 cast.
+
+    NumPy's ``float16 -> float32`` cast is a scalar loop (~2.3 ns a value here); this is four
+    vectorised integer/float passes: the int16 bits sign-extended and shifted by 13 put the f16
+    exponent and mantissa in the f32 fields (bits 28..30 cleared, the sign kept in bit 31), which reads
+    as ``x * 2**-112`` -- exactly, subnormals included -- and one multiplication by ``2**112`` (exact)
+    gives ``x``. Inf/NaN would come out finite: callers only pass finite params. Falls back to the plain
+    cast when the thread flushes subnormals (the trick relies on them).
+    """
+    a = np.asarray(a)
+    if a.dtype != np.float16:
+        raise TypeError(f"f16_to_f32 needs float16, got {a.dtype}")
+    if out is None:
+        out = np.empty(a.shape, np.float32)
+    if not _subnormals_kept():
+        np.copyto(out, a, casting="same_kind")
+        return out
+    bits = out.view(np.int32)
+    np.copyto(bits, a.view(np.int16))  # sign-extending widening
+    np.multiply(bits, np.int32(1 << 13), out=bits)  # |h| * 2**13 <= 2**28: no overflow
+    np.bitwise_and(bits, _F16_MASK, out=bits)
+    np.multiply(out, _F16_SCALE, out=out)
+    return out
 
 
 class GrowBuffer:

@@ -29,6 +29,12 @@ probabilities. Decode (a small ``[heads, rows, T]`` score matrix) takes two pass
 (scores, one exact softmax, values); long prefill chunks merge the blocks with an online softmax
 (``score_budget`` picks). Causal masking (``is_causal``) aligns the ``Sq`` queries with the last
 ``Sq`` positions of the cache (bottom-right).
+
+Codes are stored with :class:`~nnef_kv.kv.packing.GroupCodec`: inside each group of ``key_group``
+tokens the 1/2/4-bit codes are packed across tokens (and 3/5/6/7 bits split into such fields), so
+unpacking a block is a few whole-array ANDs straight into the f32 buffer; bit field ``k`` comes out
+times ``2**(k*w)`` and the exact power-of-two factor is folded into the key scores / value weights.
+f16 params are widened with :func:`~nnef_kv.kv.common.f16_to_f32` (exact, ~4x NumPy's cast).
 """
 from __future__ import annotations
 
@@ -37,11 +43,12 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
-from .common import GrowBuffer, check_qkv, expect_state
-from .packing import RowCodec
+from .common import GrowBuffer, check_qkv, expect_state, f16_to_f32
+from .packing import GroupCodec
 
 __all__ = ["KiviConfig", "KiviSdpa", "hadamard"]
 
+CODES_LAYOUT = 2  # saved in states: 2 = GroupCodec (token-planar inside groups); 1 was planar rows
 F16_SAFE = 16384.0  # with f16 params, |x| above this goes to the exact side table
 _CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 
@@ -94,14 +101,14 @@ class KiviConfig:
         return np.dtype(np.float16 if self.params == "f16" else np.float32)
 
     def as_array(self) -> np.ndarray:
+        """The config as saved in a state, with the version of the codes layout last."""
         rot = {"none": 0, "": 0, "k": 1, "v": 2, "kv": 3}[self.rotate]
         return np.array([self.bits, self.key_group, self.value_group, self.residual, self.sinks,
-                         rot, int(self.clip), int(self.params == "f16")], np.int64)
+                         rot, int(self.clip), int(self.params == "f16"), CODES_LAYOUT], np.int64)
 
 
-def _f32(a: np.ndarray) -> np.ndarray:
-    """f32 copy of stored params; one cast of a whole array (NumPy's f16 cast is ~1.5 ns a value on
-    large arrays, but ~3 ns on the small per-block slices, so params are cast once per call)."""
+def _as32(a: np.ndarray) -> np.ndarray:
+    """f32 view (no copy) or copy of a full-precision array."""
     return np.asarray(a, dtype=np.float32)
 
 
@@ -194,7 +201,8 @@ class KiviSdpa:
         self.nvg = d // self.vg
         self.fp_dtype = np.dtype(fp_dtype)
         pdt = c.param_dtype
-        self.codec = RowCodec(c.bits, d)
+        self.codec = GroupCodec(c.bits, d, c.key_group)
+        self._unpack = self.codec.unpacker()  # fn(packed, out): whole groups into an f32 buffer
         rb = self.codec.row_bytes
         # codes grow by pages of >= 64 tokens, or 1/32 of what is held: < 3.2% unused capacity
         page = -(-64 // c.key_group) * c.key_group
@@ -378,73 +386,115 @@ class KiviSdpa:
 
     def _attend_two_pass(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
         """Scores of every position (``[n, M, T]``, small in decode), one exact softmax, then the
-        values: per block only an unpack and a matmul on each side (few NumPy calls per block)."""
+        values. Per block of codes only an unpack (straight into the f32 buffer) and one matmul call
+        on each side; the key min, the softmax sums and the value min are whole-array operations."""
         c = self.cfg
         n, m, d = q.shape
         hs = slice(h0, h1)
         ns, tq, nr = self.n_sink, self.n_quant, self.n_res
         total = self.len
-        qpos = (total - sq) + (np.arange(m) % sq)
         q = q * np.float32(c.scale)
-        qt = q.swapaxes(-1, -2)
         s = np.empty((n, m, total), np.float32)
         if ns:
-            s[:, :, :ns] = np.matmul(q, self.sink_k.view()[hs].astype(np.float32).swapaxes(-1, -2))
-        kg = c.key_group
-        bt = self._block_tokens(self.b * self.hkv)
+            np.matmul(q, _as32(self.sink_k.view()[hs]).swapaxes(-1, -2), out=s[:, :, :ns])
         if tq:
-            buf_all = self._code_buffer(slot, n, min(bt, tq))
-            kcodes = self.k_codes.view()[hs]
-            kmin, kstep = _f32(self.k_min.view()[hs]), _f32(self.k_step.view()[hs])
-            qs_all = q[:, None, :, :] * kstep[:, :, None, :]  # [n, G, m, d]: step folded into q
-            qmin_all = np.matmul(kmin, qt)[..., None]  # [n, G, m, 1]: q.min per group
-            for t0 in range(0, tq, bt):
-                t1 = min(tq, t0 + bt)
-                g0, g1 = t0 // kg, t1 // kg
-                buf = buf_all[:, : t1 - t0]
-                self.codec.unpack(kcodes[:, t0:t1], out=buf)
-                sb = np.matmul(qs_all[:, g0:g1], buf.reshape(n, g1 - g0, kg, d).swapaxes(-1, -2))
-                sb += qmin_all[:, g0:g1]
-                s[:, :, ns + t0:ns + t1] = sb.swapaxes(1, 2).reshape(n, m, t1 - t0)
-            if len(self.k_out):
-                self._key_fix(s[:, :, ns:ns + tq], q, 0, tq, kmin, kg, h0, h1)
+            self._key_scores(s[:, :, ns:ns + tq], q, h0, h1, slot)
         if nr:
-            s[:, :, ns + tq:] = np.matmul(q, self.res_k.view()[hs].astype(np.float32).swapaxes(-1, -2))
-        if c.is_causal and total - 1 > int(qpos.min()):
+            np.matmul(q, _as32(self.res_k.view()[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
+        if c.is_causal and sq > 1:  # a single query is the last position: it sees everything
+            qpos = (total - sq) + (np.arange(m) % sq)
             s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
         mx = s.max(axis=-1, keepdims=True)
         if not mx.min() > -np.inf:  # rows with every position masked
             mx = np.where(np.isfinite(mx), mx, np.float32(0))
-        p = np.exp(s - mx, out=s)
+        p = np.exp(np.subtract(s, mx, out=s), out=s)
         ls = p.sum(axis=-1, keepdims=True)
-        out = np.zeros((n, m, d), np.float32)
+        out = self._value_sum(p[:, :, ns:ns + tq], h0, h1, slot) if tq else np.zeros((n, m, d), np.float32)
         if ns:
-            out += np.matmul(p[:, :, :ns], self.sink_v.view()[hs].astype(np.float32))
-        if tq:
-            vcodes = self.v_codes.view()[hs]
-            vmin, vstep = _f32(self.v_min.view()[hs]), _f32(self.v_step.view()[hs])
-            pq = p[:, :, ns:ns + tq]
-            if self.nvg == 1:
-                pw = pq * vstep[:, None, :, 0]  # [n, m, Tq]: value step folded into p
-                out += np.matmul(pq, vmin)  # [n, m, 1]: sum_t p_t min_t
-            else:
-                pw = pq[:, None, :, :] * vstep.transpose(0, 2, 1)[:, :, None, :]  # [n, nvg, m, Tq]
-                out += np.repeat(np.matmul(pq, vmin), self.vg, axis=-1)
-            for t0 in range(0, tq, bt):
-                t1 = min(tq, t0 + bt)
-                buf = buf_all[:, : t1 - t0]
-                self.codec.unpack(vcodes[:, t0:t1], out=buf)
-                if self.nvg == 1:
-                    out += np.matmul(pw[:, :, t0:t1], buf)
-                else:
-                    cb = buf.reshape(n, t1 - t0, self.nvg, self.vg).swapaxes(1, 2)  # [n, nvg, nt, vg]
-                    out += np.matmul(pw[..., t0:t1], cb).swapaxes(1, 2).reshape(n, m, d)
-            if len(self.v_out):
-                self._value_fix(out, pq, 0, tq, vmin, h0, h1)
+            out += np.matmul(p[:, :, :ns], _as32(self.sink_v.view()[hs]))
         if nr:
-            out += np.matmul(p[:, :, ns + tq:], self.res_v.view()[hs].astype(np.float32))
+            out += np.matmul(p[:, :, ns + tq:], _as32(self.res_v.view()[hs]))
         with np.errstate(invalid="ignore", divide="ignore"):
-            return out / ls
+            return np.divide(out, ls, out=out)
+
+    def _key_scores(self, sv: np.ndarray, q: np.ndarray, h0: int, h1: int, slot: int) -> None:
+        """Scores of the quantized tokens into ``sv`` ``[n, M, Tq]`` (a view of the score matrix):
+        ``sum_c (q step)_c code_c + sum_c q_c min_c`` per group of ``key_group`` tokens."""
+        c = self.cfg
+        n, m, d = q.shape
+        hs = slice(h0, h1)
+        kg = c.key_group
+        tq = sv.shape[-1]
+        ng = tq // kg
+        kmin = self._param32(self.k_min, hs)  # [n, G, d]
+        kstep = self._param32(self.k_step, hs)
+        if m == 1 and c.params == "f16":  # kstep is a fresh f32 array: fold q into it in place
+            qs = np.multiply(kstep, q, out=kstep)[:, :, None, :]  # [n, G, 1, d]
+        else:
+            qs = q[:, None, :, :] * kstep[:, :, None, :]  # [n, G, M, d]
+        qmin = np.matmul(kmin, q.swapaxes(-1, -2))  # [n, G, M]: q.min per group
+        s4 = sv.reshape(n, m, ng, kg)
+        so = s4.swapaxes(1, 2)  # [n, G, M, kg]: where each group's matmul writes
+        gb = self._block_tokens(self.b * self.hkv) // kg  # same blocks whatever the thread split
+        buf = self._code_buffer(slot, n, min(gb, ng) * kg)
+        scales = self.codec.plane_scales  # codes of bit field k come out times 2 ** (k * bits)
+        unpack = self.codec.block_unpacker(self.k_codes.view()[hs], buf, scaled=True)
+        bt4 = buf.reshape(n, buf.shape[1] // kg, kg, d).swapaxes(-1, -2)  # [n, blocks, d, kg]
+        matmul = np.matmul
+        for g0 in range(0, ng, gb):
+            g1 = min(ng, g0 + gb)
+            unpack(g0, g1)
+            matmul(qs[:, g0:g1], bt4 if g1 - g0 == bt4.shape[1] else bt4[:, :g1 - g0], out=so[:, g0:g1])
+        if scales is not None:
+            s4.reshape(n, m, ng, len(scales), -1)[...] *= scales
+        s4 += qmin.swapaxes(1, 2)[..., None]
+        if len(self.k_out):
+            self._key_fix(sv, q, 0, tq, kmin, kg, h0, h1)
+
+    def _value_sum(self, pq: np.ndarray, h0: int, h1: int, slot: int) -> np.ndarray:
+        """``sum_t p_t (min_t + step_t code_t)`` over the quantized tokens, ``pq`` ``[n, M, Tq]``
+        (unnormalised probabilities): the value step folded into p, the min one matmul."""
+        n, m, tq = pq.shape
+        d, nvg, vg = self.d, self.nvg, self.vg
+        hs = slice(h0, h1)
+        vmin = self._param32(self.v_min, hs)  # [n, Tq, nvg]
+        vstep = self._param32(self.v_step, hs)
+        if nvg == 1:
+            pw = pq * vstep[:, None, :, 0]  # [n, M, Tq]
+            base = np.matmul(pq, vmin)  # [n, M, 1]
+        else:
+            pw = pq[:, None, :, :] * vstep.transpose(0, 2, 1)[:, :, None, :]  # [n, nvg, M, Tq]
+            base = np.repeat(np.matmul(pq, vmin), vg, axis=-1)  # [n, M, d]
+        scales = self.codec.plane_scales  # codes of bit field k come out times 2 ** (k * bits)
+        if scales is not None:
+            pw.reshape(pw.shape[:-1] + (tq // self.cfg.key_group, len(scales), -1))[...] *= scales
+        bt = self._block_tokens(self.b * self.hkv)
+        nb = -(-tq // bt)
+        part = np.empty((nb, n, m, d) if nvg == 1 else (nb, n, nvg, m, vg), np.float32)
+        buf = self._code_buffer(slot, n, min(bt, tq))
+        kg = self.cfg.key_group
+        unpack = self.codec.block_unpacker(self.v_codes.view()[hs], buf, scaled=True)
+        matmul = np.matmul
+        for i in range(nb):
+            t0, t1 = i * bt, min(tq, (i + 1) * bt)
+            blk = unpack(t0 // kg, t1 // kg)
+            if nvg == 1:
+                matmul(pw[:, :, t0:t1], blk, out=part[i])
+            else:
+                matmul(pw[..., t0:t1], blk.reshape(n, t1 - t0, nvg, vg).swapaxes(1, 2), out=part[i])
+        acc = part[0] if nb == 1 else part.sum(axis=0)
+        if nvg > 1:
+            acc = acc.swapaxes(1, 2).reshape(n, m, d)
+        out = np.add(acc, base)
+        if len(self.v_out):
+            self._value_fix(out, pq, 0, tq, vmin, h0, h1)
+        return out
+
+    def _param32(self, buf: GrowBuffer, hs: slice) -> np.ndarray:
+        """Stored group params of heads ``hs`` as f32: a view for f32 params, a fresh exact
+        conversion for f16 ones (:func:`f16_to_f32`, ~4x faster than NumPy's cast)."""
+        a = buf.view()[hs]
+        return a if a.dtype == np.float32 else f16_to_f32(a)
 
     def _attend_online(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
         """Online softmax over sinks, blocks of codes and window (bounded memory for long chunks)."""
@@ -489,8 +539,8 @@ class KiviSdpa:
             buf_all = self._code_buffer(slot, n, min(bt, tq))
             kcodes, vcodes = self.k_codes.view()[hs], self.v_codes.view()[hs]
             # params of the whole quantized part, f32 (small: 2/key_group + 2/value_group per value)
-            kmin, kstep = _f32(self.k_min.view()[hs]), _f32(self.k_step.view()[hs])
-            vmin, vstep = _f32(self.v_min.view()[hs]), _f32(self.v_step.view()[hs])
+            kmin, kstep = self._param32(self.k_min, hs), self._param32(self.k_step, hs)
+            vmin, vstep = self._param32(self.v_min, hs), self._param32(self.v_step, hs)
             qmin_all = np.matmul(kmin, qt)  # [n, G, m]
             for t0 in range(0, tq, bt):
                 t1 = min(tq, t0 + bt)
@@ -498,7 +548,7 @@ class KiviSdpa:
                 g0, g1 = t0 // kg, t1 // kg
                 gb = g1 - g0
                 buf = buf_all[:, :nt]
-                self.codec.unpack(kcodes[:, t0:t1], out=buf)
+                self._unpack(kcodes[:, t0:t1], buf)
                 # scores = sum_c (q*step)_c code_c + sum_c q_c min_c, per group of kg tokens
                 qs = q[:, None, :, :] * kstep[:, g0:g1, None, :]  # [n, gb, m, d]
                 s = np.matmul(qs, buf.reshape(n, gb, kg, d).swapaxes(-1, -2))  # [n, gb, m, kg]
@@ -508,7 +558,7 @@ class KiviSdpa:
                     self._key_fix(s, q, t0, t1, kmin, kg, h0, h1)
 
                 def pv(p: np.ndarray, t0=t0, t1=t1, nt=nt, buf=buf) -> np.ndarray:
-                    self.codec.unpack(vcodes[:, t0:t1], out=buf)
+                    self._unpack(vcodes[:, t0:t1], buf)
                     vs = vstep[:, t0:t1]  # [n, nt, nvg]
                     vm = vmin[:, t0:t1]
                     if self.nvg == 1:
@@ -608,10 +658,11 @@ class KiviSdpa:
 
     def load_state_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         who = self.WHO
-        cfg = expect_state(tensors, "config", (8,), np.int64, who)
+        cfg = expect_state(tensors, "config", None, np.int64, who)
         if not np.array_equal(cfg, self.cfg.as_array()):
             raise StateError(f"{who}: saved state was made with config {cfg.tolist()} "
-                             f"(bits, key_group, value_group, residual, sinks, rotate, clip, f16 params), "
+                             f"(bits, key_group, value_group, residual, sinks, rotate, clip, f16 params, "
+                             f"codes layout), "
                              f"this node has {self.cfg.as_array().tolist()}")
         shape = expect_state(tensors, "shape", (5,), np.int64, who)
         b, hkv, d, t, f16 = (int(x) for x in shape)
@@ -646,9 +697,13 @@ class KiviSdpa:
         vst = expect_state(tensors, "v_step", (n, tq, self.nvg), pdt, who)
         rk = expect_state(tensors, "res_k", (n, nr, d), self.fp_dtype, who)
         rv = expect_state(tensors, "res_v", (n, nr, d), self.fp_dtype, who)
+        for nm, arr in (("k_min", kmn), ("k_step", kst), ("v_min", vmn), ("v_step", vst)):
+            if not np.all(np.isfinite(arr)) or (nm.endswith("step") and np.any(arr < 0)):
+                raise StateError(f"{who}: state tensor {nm!r} holds non-finite or negative values "
+                                 f"(group params are finite; steps >= 0)")
         if c.bits < 8 and tq:
-            check = self.codec.pack(self.codec.unpack(kc[:, :1]))
-            if not np.array_equal(check, kc[:, :1]):
+            head = kc[:, :c.key_group]  # the first group: no stray padding bits
+            if not np.array_equal(self.codec.pack(self.codec.unpack(head)), head):
                 raise StateError(f"{who}: k_codes are not valid {c.bits}-bit packed codes")
         self.sink_k.set_exact(sk)
         self.sink_v.set_exact(sv)

@@ -36,6 +36,16 @@ def _range_params(lo: np.ndarray, hi: np.ndarray, levels: np.float32) -> np.ndar
         return np.where(hi > lo, (hi - lo) / levels, np.float32(1.0)).astype(np.float32)
 
 
+def _shape_attr(shape) -> tuple:
+    """A shape attribute as given by the session: a list of ints and symbol names (strings); a
+    single string (unparsed text) becomes one entry; ``None`` or ``()`` an empty shape."""
+    if shape is None:
+        return ()
+    if isinstance(shape, str):
+        return (shape.strip(),)
+    return tuple(x.strip() if isinstance(x, str) else x for x in shape)
+
+
 class TractQuantizedDynKvCache:
     """State of one ``tract_transformers_quantized_dyn_kv_cache`` node."""
 
@@ -53,7 +63,19 @@ class TractQuantizedDynKvCache:
         self.per_channel = bool(per_channel)
         self.datum_type = str(datum_type)
         self.levels = np.float32((1 << self.bits) - 1)
+        self.past_sequence_shape = _shape_attr(past_sequence_shape)
+        self.input_sequence_shape = _shape_attr(input_sequence_shape)
         self.reset()
+
+    def symbol_bindings(self) -> dict[str, int]:
+        """Symbols this state binds before a run: when ``past_sequence_shape[axis]`` is a plain symbol
+        (``[1, H, "P", D]``; the session hands symbols over as strings), ``{"P": tokens already held}``.
+        Integers, expressions (``"P + 1"``) and an absent attribute bind nothing."""
+        shape = self.past_sequence_shape
+        if not 0 <= self.axis < len(shape):
+            return {}
+        sym = shape[self.axis]
+        return {sym: int(self.len)} if isinstance(sym, str) and sym.isidentifier() else {}
 
     @property
     def who(self) -> str:
