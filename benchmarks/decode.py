@@ -6,8 +6,12 @@ writes a detected LLaMA: ``tract_core_rms_norm``, ``tract_transformers_apply_rop
 and weights as ``[1, out, in]`` variables used through ``matmul(..., transposeB = true)``.
 
 Both engines prefill a prompt then decode greedily, one token per call; the script prints tokens/s of the
-decode phase for nnef-kv (1 and 2 BLAS threads, via threadpoolctl) and tract (single-threaded, its
-default), the ratios, and whether both produced the same tokens.
+decode phase for nnef-kv (1 and 2 BLAS threads, via threadpoolctl; and ``nnef-kv/2s``: BLAS on one thread,
+the session splitting its large products across two threads itself, ``Session(model, threads=2)``) and
+tract (single-threaded, its default), the ratios, and whether both produced the same tokens. On a shared machine: the engines are
+interleaved, each figure is the best of ``--repeat`` runs, and CPU-time ratios are printed beside the
+wall-time ones (CPU time is far less sensitive to other processes than the wall clock); the load average
+before and after is printed too.
 
     python benchmarks/decode.py                  # 4 layers, hidden 512, 8 heads, 8 kv heads, vocab 8192,
                                                  # then the GQA variant (2 kv heads)
@@ -24,6 +28,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -152,83 +157,127 @@ def write_archive(c: Config, folder: Path) -> Path:
     return folder
 
 
-Result = tuple[list[int], float, float, float]  # tokens, prefill s, decode s (wall), decode s (process CPU)
+@dataclass
+class Result:
+    """One prefill + decode run of one engine. Decode times cover ``steps - 1`` single-token calls."""
+
+    tokens: list[int]
+    prefill: float  # s, wall
+    wall: float  # s, decode, wall clock
+    thread_cpu: float  # s, decode, CPU time of the calling thread (time.thread_time)
+    process_cpu: float  # s, decode, CPU time of the whole process, BLAS workers included (time.process_time)
+    median_token: float  # s, median wall time of one decode call (robust to bursts of load)
 
 
-def decode_nnef_kv(folder: Path, prompt: np.ndarray, steps: int) -> Result:
-    import nnef_kv
-
-    session = nnef_kv.load(folder).session()
+def _timed_decode(first: Any, step: Any, steps: int) -> Result:
+    """``first()`` runs the prompt and returns its logits; ``step(token)`` one decode call."""
     t0 = time.perf_counter()
-    logits = session.run({"input_ids": prompt[None]})["logits"]
-    t1, c1 = time.perf_counter(), time.process_time()
+    logits = first()
+    t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
     tokens = [int(np.argmax(logits[0, -1]))]
+    walls = []
     for _ in range(steps - 1):
-        logits = session.run({"input_ids": np.array([[tokens[-1]]], np.int64)})["logits"]
+        ts = time.perf_counter()
+        logits = step(tokens[-1])
+        walls.append(time.perf_counter() - ts)
         tokens.append(int(np.argmax(logits[0, -1])))
-    t2, c2 = time.perf_counter(), time.process_time()
-    return tokens, t1 - t0, t2 - t1, c2 - c1
+    t2, c2, p2 = time.perf_counter(), time.thread_time(), time.process_time()
+    return Result(tokens, t1 - t0, t2 - t1, c2 - c1, p2 - p1, float(np.median(walls)) if walls else 0.0)
+
+
+def decode_nnef_kv(folder: Path, prompt: np.ndarray, steps: int, threads: int = 1) -> Result:
+    """``threads = 2``: the session splits its large products across two threads itself (BLAS on one)."""
+    import nnef_kv
+    from nnef_kv.interpreter.session import Session
+
+    session = Session(nnef_kv.load(folder), threads=threads)
+    return _timed_decode(lambda: session.run({"input_ids": prompt[None]})["logits"],
+                         lambda t: session.run({"input_ids": np.array([[t]], np.int64)})["logits"], steps)
 
 
 def decode_tract(folder: Path, prompt: np.ndarray, steps: int) -> Result:
     import tract
 
     state = tract.nnef().with_tract_transformers().load(str(folder)).into_runnable().spawn_state()
-    t0 = time.perf_counter()
-    logits = state.run([prompt[None]])[0].to_numpy()
-    t1, c1 = time.perf_counter(), time.process_time()
-    tokens = [int(np.argmax(logits[0, -1]))]
-    for _ in range(steps - 1):
-        logits = state.run([np.array([[tokens[-1]]], np.int64)])[0].to_numpy()
-        tokens.append(int(np.argmax(logits[0, -1])))
-    t2, c2 = time.perf_counter(), time.process_time()
-    return tokens, t1 - t0, t2 - t1, c2 - c1
+    return _timed_decode(lambda: state.run([prompt[None]])[0].to_numpy(),
+                         lambda t: state.run([np.array([[t]], np.int64)])[0].to_numpy(), steps)
+
+
+def _loadavg() -> str:
+    try:
+        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+    except OSError:
+        return "?"
 
 
 def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
-    """Run every engine on config ``c``; print and return tokens/s by engine."""
+    """Run every engine on config ``c``; print and return decode tokens/s (best wall time) by engine.
+
+    Robust on a shared machine: the engines are interleaved within each repetition (their order rotates),
+    each figure is the best of the repetitions, and CPU times (of the calling thread, and of the process
+    with its BLAS workers) are reported beside wall time: other processes slow the wall clock of a run
+    much more than its CPU time."""
     from threadpoolctl import threadpool_limits
 
     print(f"\n== {c.layers} layers, hidden {c.hidden}, {c.heads} heads, {c.kv_heads} kv heads, ffn {c.ffn}, "
-          f"vocab {c.vocab}; prompt {args.prompt}, {args.steps} tokens")
+          f"vocab {c.vocab}; prompt {args.prompt}, {args.steps} tokens; best of {args.repeat}, engines interleaved")
     rng = np.random.default_rng(42)
     prompt = rng.integers(0, c.vocab, args.prompt).astype(np.int64)
-    results: dict[str, Result] = {}
+    best: dict[str, dict[str, float]] = {}
+    tokens: dict[str, list[int]] = {}
+    print(f"load average before: {_loadavg()}")
     with tempfile.TemporaryDirectory(prefix="nnef-kv-bench-") as tmp:
         folder = write_archive(c, Path(tmp) / "decoder")
         tract_ok = not args.no_tract
 
-        def keep(name: str, r: Result) -> None:
-            if name not in results or r[2] < results[name][2]:
-                results[name] = r
+        def nnef(blas_threads: int, threads: int = 1) -> Any:
+            def run() -> Result:
+                with threadpool_limits(limits=blas_threads, user_api="blas"):
+                    return decode_nnef_kv(folder, prompt, args.steps, threads)
+            return run
 
-        # engines interleaved within each repetition: on a shared machine the load drifts, and the best of
-        # the repetitions is reported for each engine
-        for _ in range(args.repeat):
-            for threads in (1, 2):
-                with threadpool_limits(limits=threads, user_api="blas"):
-                    keep(f"nnef-kv/{threads}", decode_nnef_kv(folder, prompt, args.steps))
-            if tract_ok:
+        engines: list[tuple[str, Any]] = [("nnef-kv/1", nnef(1)), ("nnef-kv/2", nnef(2)), ("nnef-kv/2s", nnef(1, 2))]
+        if tract_ok:
+            engines.append(("tract", lambda: decode_tract(folder, prompt, args.steps)))
+        for rep in range(args.repeat):
+            k = rep % len(engines)
+            for name, run in engines[k:] + engines[:k]:
+                if name == "tract" and not tract_ok:
+                    continue
+                time.sleep(args.settle)  # let BLAS workers of the previous run stop spinning (process CPU)
                 try:
-                    keep("tract", decode_tract(folder, prompt, args.steps))
+                    r = run()
                 except Exception as exc:  # noqa: BLE001 - tract 0.23.9 fails some GQA decode paths
+                    if name != "tract":
+                        raise
                     print(f"tract failed: {str(exc).splitlines()[0]}")
                     tract_ok = False
-    decode_steps = args.steps - 1
+                    continue
+                b = best.setdefault(name, {})
+                for key in ("prefill", "wall", "thread_cpu", "process_cpu", "median_token"):
+                    b[key] = min(b.get(key, float("inf")), getattr(r, key))
+                tokens.setdefault(name, r.tokens)
+    print(f"load average after:  {_loadavg()}")
+    n = args.steps - 1
     rates = {}
-    for name, (tokens, prefill, decode, cpu) in results.items():
-        rates[name] = decode_steps / decode
-        print(f"{name:12s} prefill {args.prompt} tokens {prefill * 1e3:8.1f} ms | decode {rates[name]:8.1f} tokens/s"
-              f" ({decode / decode_steps * 1e3:.2f} ms/token wall, {cpu / decode_steps * 1e3:.2f} ms/token CPU)")
-    if "tract" in results:
-        for threads in (1, 2):
-            print(f"ratio nnef-kv ({threads} BLAS thread{'s' if threads > 1 else ''}) / tract: "
-                  f"{rates[f'nnef-kv/{threads}'] / rates['tract']:.2f}x")
-        cpu1 = results["nnef-kv/1"][3]
-        print(f"CPU-time ratio, 1 thread (tract CPU / nnef-kv CPU; less sensitive to other load): "
-              f"{results['tract'][3] / cpu1:.2f}x")
-        same = sum(a == b for a, b in zip(results["nnef-kv/1"][0], results["tract"][0]))
-        print(f"greedy tokens identical to tract: {same}/{len(results['tract'][0])}")
+    for name, b in best.items():
+        rates[name] = n / b["wall"]
+        print(f"{name:10s} prefill {b['prefill'] * 1e3:7.1f} ms | decode {rates[name]:7.1f} tokens/s | per token: "
+              f"{b['wall'] / n * 1e3:.2f} ms wall (median token {b['median_token'] * 1e3:.2f}), "
+              f"{b['thread_cpu'] / n * 1e3:.2f} ms thread CPU, {b['process_cpu'] / n * 1e3:.2f} ms process CPU")
+    if "tract" in best:
+        t = best["tract"]
+        labels = {"nnef-kv/1": "1 BLAS thread", "nnef-kv/2": "2 BLAS threads",
+                  "nnef-kv/2s": "2 threads: split products, BLAS on 1"}
+        for name, label in labels.items():
+            e = best[name]
+            print(f"ratio nnef-kv ({label}) / tract: "
+                  f"wall {t['wall'] / e['wall']:.2f}x (median token {t['median_token'] / e['median_token']:.2f}x) | "
+                  f"CPU time {t['process_cpu'] / e['process_cpu']:.2f}x")
+        print("(ratios are tract time / nnef-kv time, > 1 means nnef-kv is faster; CPU time is the process's, "
+              "BLAS workers included, each figure the best of the runs)")
+        same = sum(a == b for a, b in zip(tokens["nnef-kv/1"], tokens["tract"]))
+        print(f"greedy tokens identical to tract: {same}/{len(tokens['tract'])}")
     return rates
 
 
@@ -243,18 +292,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--vocab", type=int, default=8192)
     ap.add_argument("--prompt", type=int, default=64)
     ap.add_argument("--steps", type=int, default=128)
-    ap.add_argument("--repeat", type=int, default=3, help="runs per engine; the best is reported")
+    ap.add_argument("--repeat", type=int, default=5, help="runs per engine, interleaved; the best is reported")
+    ap.add_argument("--settle", type=float, default=0.3,
+                    help="seconds of rest before each run (OpenBLAS workers spin ~0.1 s after their last job)")
     ap.add_argument("--no-tract", action="store_true")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.heads, args.ffn, args.vocab = 2, 64, 4, 128, 256
         args.kv_heads = min(args.kv_heads, 4)
-        args.prompt, args.steps, args.repeat = 8, 8, 1
+        args.prompt, args.steps, args.repeat, args.settle = 8, 8, 1, 0.0
     from threadpoolctl import threadpool_info
 
-    blas = [f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}" for i in threadpool_info()]
+    import os
+
+    blas = [f"{i.get('internal_api')} {i.get('version')} kernel {i.get('architecture')} "
+            f"({i.get('num_threads')} threads available)" for i in threadpool_info()]
     print(f"BLAS: {', '.join(blas) or 'unknown'}")
+    forced = {k: os.environ[k] for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE") if k in os.environ}
+    if forced:
+        print(f"note: {forced} is set: OpenBLAS runs that kernel (slower on a recent CPU); for the benchmark "
+              f"command only: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/decode.py")
     bench(Config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab), args)
     if args.gqa_kv_heads and args.gqa_kv_heads != args.kv_heads:
         bench(Config(args.layers, args.hidden, args.heads, args.gqa_kv_heads, args.ffn, args.vocab), args)

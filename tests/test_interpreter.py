@@ -254,6 +254,40 @@ graph g(x) -> (y, z)
     assert m.session().plan is s.plan  # planned once per model
 
 
+def test_products_of_one_input_by_constant_weights_are_fused() -> None:
+    rng = np.random.default_rng(3)
+    ws = {n: rng.standard_normal((1, o, 8)).astype(np.float32) for n, o in (("wq", 8), ("wk", 4), ("wv", 4), ("wo", 5))}
+    bias = rng.standard_normal((1, 5)).astype(np.float32)
+    text = """version 1.0;
+graph g(x) -> (q, k, v, o, p)
+{
+  x = external<scalar>(shape = [1, S, 8]);
+  wq = variable<scalar>(label = 'wq', shape = [1, 8, 8]);
+  wk = variable<scalar>(label = 'wk', shape = [1, 4, 8]);
+  wv = variable<scalar>(label = 'wv', shape = [1, 4, 8]);
+  wo = variable<scalar>(label = 'wo', shape = [1, 5, 8]);
+  b = variable<scalar>(label = 'b', shape = [1, 5]);
+  q = matmul(x, wq, transposeA = false, transposeB = true);
+  h = exp(q);
+  k = matmul(x, wk, transposeA = false, transposeB = true);
+  v = matmul(x, wv, transposeA = false, transposeB = true);
+  o = linear(x, wo, b);
+  p = matmul(h, wo, transposeA = false, transposeB = true);
+}
+"""
+    s = model_of(text, {**ws, "b": bias}).session()
+    assert s.plan.info["fused_projections"] == 2  # k and v join q; the biased linear and p (input h) do not
+    assert s.plan.info["steps"] == s.plan.info["nodes"] - 2
+    for n in (1, 5):
+        x = rng.standard_normal((1, n, 8)).astype(np.float32)
+        out, caps = s.run({"x": x}, capture=["k"])
+        for name in ("q", "k", "v"):
+            np.testing.assert_allclose(out[name], x @ ws["w" + name][0].T, rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(caps["k"], out["k"])
+        np.testing.assert_allclose(out["o"], x @ ws["wo"][0].T + bias, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(out["p"], np.exp(out["q"]) @ ws["wo"][0].T, rtol=1e-5, atol=1e-5)
+
+
 def test_missing_variable_and_wrong_variable_shape() -> None:
     text = """version 1.0;
 graph g(x) -> (y)

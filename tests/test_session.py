@@ -70,7 +70,8 @@ def test_kv_cache_bytes_sums_states(tmp_path: Path) -> None:
     assert empty["total"] == empty["codes"] + empty["params"] + empty["full_precision"]
     s.run({"x": steps(1)[0]})
     got = s.kv_cache_bytes()
-    assert got["full_precision"] == 3 * 2 * 4  # three f32 rows of 2 cached
+    # three f32 rows of 2 cached, in a buffer with spare rows for later runs: all of it counted
+    assert got["full_precision"] == s.states[0].capacity * 2 * 4 >= 3 * 2 * 4
     assert got["total"] == got["codes"] + got["params"] + got["full_precision"]
 
 
@@ -184,3 +185,266 @@ def test_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert mod.main(["--quick", "--no-tract", "--gqa-kv-heads", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("nnef-kv/1") == 2 and "tokens/s" in out
+
+
+# ------------------------------------------------------------------------------------------------
+# capture, errors placed at their node, tract_assert, liveness
+# ------------------------------------------------------------------------------------------------
+def doc_session(text: str, tensors: dict[str, np.ndarray] | None = None) -> Any:
+    from nnef_kv.interpreter.session import DocumentModel
+
+    return DocumentModel(nnef_kv.parse(text, filename="t/graph.nnef"), dict(tensors or {}), source="t").session()
+
+
+CAPTURE_TEXT = """version 1.0;
+fragment twice(a: tensor<scalar>) -> (b: tensor<scalar>) { inner = mul(a, 2.0); b = add(inner, 1.0); }
+graph g(x) -> (y)
+{
+  x = external<scalar>(shape = [2, 3]);
+  h = exp(x);
+  t = twice(h);
+  h = neg(t);
+  y = sum_reduce(h, axes = [1]);
+}
+"""
+
+
+def test_capture_returns_named_intermediates_and_same_outputs() -> None:
+    s = doc_session(CAPTURE_TEXT)
+    x = np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3)
+    plain = s.run({"x": x})
+    outs, caps = s.run({"x": x}, capture=["h", "t", "t.inner", "h#1", "x"])
+    np.testing.assert_array_equal(outs["y"], plain["y"])
+    assert list(outs) == ["y"]
+    np.testing.assert_array_equal(caps["h"], np.exp(x))  # the first assignment of a reassigned name
+    np.testing.assert_array_equal(caps["t.inner"], np.exp(x) * np.float32(2))  # a node inside a fragment
+    np.testing.assert_array_equal(caps["t"], np.exp(x) * np.float32(2) + np.float32(1))
+    np.testing.assert_array_equal(caps["h#1"], -caps["t"])  # the later assignment, by node name
+    np.testing.assert_array_equal(caps["x"], x)
+    with pytest.raises(InputError, match="no tensor named 'nope'"):
+        s.run({"x": x}, capture=["nope"])
+    # a node given as such: its own output, even where an identifier of the same name is another tensor
+    nested = doc_session(CAPTURE_TEXT.replace("h = neg(t);", "h = neg(t);\n  o = neg(exp(t));")
+                         .replace("-> (y)", "-> (y, o)"))
+    exp_node = next(n for n in nested.plan.step_nodes if n.op == "exp" and n.name != "h")
+    assert exp_node.name == "o"  # the nested invocation is named after the statement, as in tract
+    _, by_node = nested.run({"x": x}, capture=[exp_node, "o"])
+    np.testing.assert_array_equal(by_node["o"], -np.exp(caps["t"]))  # by identifier
+    _, by_node = nested.run({"x": x}, capture=[exp_node])
+    np.testing.assert_array_equal(by_node["o"], np.exp(caps["t"]))  # by node
+
+
+def test_capture_leaves_state_as_a_plain_run(tmp_path: Path) -> None:
+    model = kv_model(tmp_path)
+    a, b = model.session(), model.session()
+    for x in steps(3):
+        ya = a.run({"x": x})
+        yb, caps = b.run({"x": x}, capture=["k"])
+        np.testing.assert_array_equal(ya["y"], yb["y"])
+        np.testing.assert_array_equal(caps["k"] * np.float32(2), yb["y"])
+    assert a.kv_cache_bytes() == b.kv_cache_bytes()
+
+
+def test_validate_capture_takes_the_public_capture_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    import functools
+
+    from nnef_kv.interpreter.session import Session
+    from nnef_kv.validate.capture import attention_step_indices, run_capturing
+
+    text = """version 1.0;
+extension tract_registry tract_transformers;
+graph g(q, k, v) -> (y)
+{
+  q = external<scalar>(shape = [1, 2, 3, 4]);
+  k = external<scalar>(shape = [1, 2, 3, 4]);
+  v = external<scalar>(shape = [1, 2, 3, 4]);
+  att = tract_transformers_sdpa(q, k, v, is_causal = true);
+  y = mul(att, 3.0);
+}
+"""
+    calls: list[Any] = []
+    original = Session.run
+
+    @functools.wraps(original)
+    def spy(self: Session, inputs: dict[str, Any], capture: Any = None) -> Any:
+        calls.append(capture)
+        return original(self, inputs, capture=capture)
+
+    monkeypatch.setattr(Session, "run", spy)
+    s = doc_session(text)
+    rng = np.random.default_rng(1)
+    feed = {n: rng.standard_normal((1, 2, 3, 4)).astype(np.float32) for n in "qkv"}
+    idx = attention_step_indices(s.plan)
+    outs, caps = run_capturing(s, feed, idx)
+    assert calls == [["att"]]
+    np.testing.assert_allclose(caps[0] * np.float32(3), outs["y"], rtol=1e-6)
+
+
+def test_kernel_error_names_node_and_location() -> None:
+    from nnef_kv.errors import GraphError
+
+    text = """version 1.0;
+graph g(a, b) -> (y)
+{
+  a = external<scalar>(shape = [S]);
+  b = external<scalar>(shape = [T]);
+  y = add(a, b);
+}
+"""
+    s = doc_session(text)
+    with pytest.raises(GraphError, match=r"^t/graph\.nnef:6:7: node 'y' \(add\): ValueError: ") as info:
+        s.run({"a": np.zeros(2, np.float32), "b": np.zeros(3, np.float32)})
+    assert isinstance(info.value.__cause__, ValueError)
+    assert info.value.node == "y" and info.value.location == "t/graph.nnef:6:7"  # type: ignore[attr-defined]
+    # an nnef-kv error raised by a kernel keeps its type and message, placed at the node
+    text2 = """version 1.0;
+extension tract_registry tract_core;
+graph g(ids) -> (y)
+{
+  ids = tract_core_external(shape = [2], datum_type = 'i64');
+  table = constant<scalar>(shape = [3, 2], value = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]);
+  y = tract_core_gather(table, ids, axis = 0);
+}
+"""
+    s2 = doc_session(text2)
+    np.testing.assert_array_equal(s2.run({"ids": np.array([2, 0])})["y"], [[5, 6], [1, 2]])
+    with pytest.raises(InputError, match=r"^t/graph\.nnef:7:7: node 'y' \(tract_core_gather\): tract_core_gather: "
+                                         r"index out of range"):
+        s2.run({"ids": np.array([0, 3])})
+    # a NaN is a value, not an error
+    assert np.isnan(s.run({"a": np.full(2, np.nan, np.float32), "b": np.zeros(1, np.float32)})["y"]).all()
+
+
+ASSERT_TEXT = """version 1.0;
+extension tract_registry tract_transformers;
+extension tract_symbol S;
+extension tract_symbol P;
+extension tract_assert S >= 1;
+extension tract_assert S+P < 6;
+extension tract_assert tg: S==1;
+extension tract_assert U*2 <= 4;
+graph cache(x) -> (y)
+{
+  x = external<scalar>(shape = [1, S, 2]);
+  k = tract_transformers_dyn_kv_cache(x, name = 'k', axis = 1, datum_type = 'f32',
+                                      past_sequence_shape = [1, P, 2], input_sequence_shape = [1, S, 2]);
+  y = mul(k, 2.0);
+}
+"""
+
+
+def test_tract_assert_checked_once_symbols_are_bound(tmp_path: Path) -> None:
+    s = kv_model(tmp_path, ASSERT_TEXT, "asserted").session()
+    s.run({"x": np.zeros((1, 3, 2), np.float32)})  # S = 3 (the scenario hint tg: S==1 is not enforced)
+    s.run({"x": np.zeros((1, 2, 2), np.float32)})  # S + P = 5
+    before = s.kv_cache_bytes()
+    with pytest.raises(InputError, match=r"graph\.nnef:6:\d+: tract_assert S\+P < 6 does not hold \(S = 1, P = 5\)"):
+        s.run({"x": np.zeros((1, 1, 2), np.float32)})
+    assert s.kv_cache_bytes() == before  # refused before anything ran
+    s.reset()
+    with pytest.raises(InputError, match=r"tract_assert S >= 1 does not hold \(S = 0\)"):
+        s.run({"x": np.zeros((1, 0, 2), np.float32)})
+
+
+def test_tract_assert_parsing() -> None:
+    from nnef_kv.errors import GraphError
+    from nnef_kv.interpreter.assertions import parse_assertion
+
+    a = parse_assertion("min(S, 4) + 2*P/3 - -1 == (S # 1)")
+    assert a.symbols == ("S", "P")
+    assert a.check({"S": 7, "P": 3}) is True  # 4 + 2 + 1 == 7
+    assert a.check({"S": 6, "P": 3}) is False
+    assert a.check({"S": 6}) is None
+    assert parse_assertion("pp: P==0").check({"P": 5}) is None
+    for bad in ("S +", "S = 1", "S < 1 2", "P/S > 0"):
+        with pytest.raises(GraphError, match="tract_assert"):
+            parse_assertion(bad)
+
+
+def test_intermediates_are_freed_after_their_last_reader() -> None:
+    import tracemalloc
+
+    n, size = 40, 1 << 20  # 40 chained tensors of 4 MiB: 160 MiB if every value were kept
+    body = ["  x = external<scalar>(shape = [N]);", "  t0 = add(x, 1.0);"]
+    body += [f"  t{i} = mul(t{i - 1}, 1.0);" for i in range(1, n)]
+    body += [f"  s = slice(t{n - 1}, axes = [0], begin = [0], end = [t1_len]);"]
+    text = ("version 1.0;\nextension tract_symbol N;\ngraph g(x) -> (y, z)\n{\n" + "\n".join(body)
+            + f"\n  y = sum_reduce(s, axes = [0]);\n  z = t{n // 2};\n}}\n")
+    text = text.replace("t1_len", "3")
+    s = doc_session(text)
+    x = np.ones(size, np.float32)
+    tracemalloc.start()
+    try:
+        outs, caps = s.run({"x": x}, capture=["t5"])
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert s.plan.info["liveness"] == 1
+    assert peak < 6 * x.nbytes, f"peak {peak / x.nbytes:.1f} tensors"  # x, the graph output z, t5, two live
+    np.testing.assert_array_equal(outs["z"], x + 1)
+    np.testing.assert_array_equal(caps["t5"], x + 1)  # captured values are kept
+    assert float(outs["y"][0]) == 6.0
+
+
+def test_value_read_as_an_attribute_stays_alive_until_that_reader() -> None:
+    text = """version 1.0;
+extension tract_registry tract_core;
+graph g(x, n) -> (y)
+{
+  x = external<scalar>(shape = [6]);
+  n = tract_core_external(shape = [], datum_type = 'i64');
+  m = add(n, 1);
+  z = mul(x, 2.0);
+  y = slice(z, axes = [0], begin = [0], end = [m]);
+}
+"""
+    s = doc_session(text)
+    assert s.plan.info["liveness"] == 1
+    x = np.arange(6, dtype=np.float32)
+    np.testing.assert_array_equal(s.run({"x": x, "n": np.array(2)})["y"], [0, 2, 4])
+
+
+def test_threads_2_splits_large_products_with_the_same_results() -> None:
+    from nnef_kv.interpreter import parallel
+    from nnef_kv.interpreter.session import DocumentModel, Session
+
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((1, 320, 256)).astype(np.float32)  # 320 KB: split
+    text = """version 1.0;
+graph g(x) -> (y)
+{
+  x = external<scalar>(shape = [1, S, 256]);
+  w = variable<scalar>(label = 'w', shape = [1, 320, 256]);
+  y = matmul(x, w, transposeA = false, transposeB = true);
+}
+"""
+    model = DocumentModel(nnef_kv.parse(text), {"w": w})
+    one, two = Session(model), Session(model, threads=2)
+    before = parallel.SPLITTER.split + parallel.SPLITTER.paused
+    for n in (1, 7):
+        x = rng.standard_normal((1, n, 256)).astype(np.float32)
+        a, b = one.run({"x": x})["y"], two.run({"x": x})["y"]
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(b, x @ w[0].T, rtol=1e-5, atol=1e-4)
+    # each product split, or run whole while splitting is paused (the helper was late on a loaded machine)
+    assert parallel.SPLITTER.split + parallel.SPLITTER.paused == before + 2 and not parallel.SPLITTER.active
+    with pytest.raises(InputError, match="threads"):
+        Session(model, threads=0)
+    # a splitter of its own: column halves on a multiple of 16, the product unchanged, the helper stops
+    sp = parallel.ColumnSplitter()
+    try:
+        a, b = rng.standard_normal((3, 40)).astype(np.float32), rng.standard_normal((40, 100)).astype(np.float32)
+        for _ in range(5):
+            np.testing.assert_allclose(sp.matmul(a, b), a @ b, rtol=1e-6, atol=1e-5)
+        assert sp.split + sp.paused == 5
+        # a helper late too often pauses splitting for PAUSE products, then splitting is tried again
+        sp._skip, sp._late = 0, 0.9
+        sp.matmul(a, b)
+        assert sp._skip == parallel.PAUSE
+        paused = sp.paused
+        for _ in range(parallel.PAUSE):
+            np.testing.assert_allclose(sp.matmul(a, b), a @ b, rtol=1e-6, atol=1e-5)
+        assert sp.paused == paused + parallel.PAUSE and sp._skip == 0
+    finally:
+        sp.close()
+    assert sp._thread is None

@@ -50,10 +50,14 @@ class LRef:
 
 @dataclass(frozen=True)
 class Lazy:
-    """An attribute value computed per run: ``fn(values) -> python value``; ``text`` renders it."""
+    """An attribute value computed per run: ``fn(values) -> python value``; ``text`` renders it.
+
+    ``reads`` are the slots ``fn`` may read (for liveness: a value stays alive while a later attribute
+    needs it); None means unknown, which keeps every value of the run alive."""
 
     fn: Callable[[list], Any]
     text: str
+    reads: tuple[int, ...] | None = None
 
 
 class _Dyn:
@@ -136,6 +140,10 @@ class Graph:
     symbols: dict[str, int]  # symbol name -> slot holding its int value at run time
     quant: dict[str, tuple[str, dict[str, Any]]] = field(default_factory=dict)
     filename: str = "graph.nnef"
+    #: identifiers of the graph body bound to a tensor -> its slot (the first assignment, as for node names)
+    names: dict[str, int] = field(default_factory=dict)
+    #: ``extension tract_assert`` relations between symbols, checked when the inputs are bound
+    assertions: list[Any] = field(default_factory=list)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -320,6 +328,7 @@ class GraphBuilder:
                     args[k] = self._static_literal(v)
                 self.quant[entry.tensor] = (entry.op, args)
         self.names_used: dict[str, int] = {}
+        self.tensor_names: dict[str, int] = {}
         self.submodel = submodel  # label -> Model, for tract_core_submodel
         self.slot_quant: dict[int, dict[str, Any]] = {}  # slots holding graph.quant values -> their params
 
@@ -345,7 +354,7 @@ class GraphBuilder:
         if name not in self.symbols:
             self.symbols[name] = self.new_slot()
         slot = self.symbols[name]
-        return Lazy(lambda v, s=slot: v[s], name)
+        return Lazy(lambda v, s=slot: v[s], name, (slot,))
 
     # -- entry ---------------------------------------------------------------------------------
     def build(self) -> Graph:
@@ -369,7 +378,14 @@ class GraphBuilder:
             raise GraphError(f"{self.loc(g.pos)}: graph input '{missing[0]}' is not defined by an external")
         ordered += [i for i in self.inputs if i.name not in g.inputs]
         return Graph(g.name, self.nslots, self.constants, self.nodes, ordered, outputs, self.symbols,
-                     self.quant, self.filename)
+                     self.quant, self.filename, self.tensor_names, self._assertions())
+
+    def _assertions(self) -> list[Any]:
+        """The document's ``extension tract_assert`` lines, compiled (see :mod:`.assertions`)."""
+        from .assertions import parse_assertion
+
+        return [parse_assertion(e.argument, self.loc(e.pos)) for e in self.doc.extensions
+                if e.name == "tract_assert"]
 
     # -- statements ----------------------------------------------------------------------------
     def _lhs_names(self, lhs: A.Expr) -> list[str]:
@@ -397,6 +413,10 @@ class GraphBuilder:
     def _bind_lhs(self, lhs: A.Expr, results: list[Any], ctx: _Ctx, st: A.Assignment) -> None:
         if isinstance(lhs, A.Identifier):
             ctx.scope[lhs.name] = results[0] if len(results) == 1 else list(results)
+            if ctx.depth == 0 and isinstance(ctx.scope[lhs.name], TRef):
+                # the first assignment names the tensor (as it names the node); later ones are reached by
+                # node name ("x#1")
+                self.tensor_names.setdefault(lhs.name, ctx.scope[lhs.name].slot)
             return
         assert isinstance(lhs, (A.TupleExpr, A.ArrayExpr))
         vals: list[Any]
@@ -527,8 +547,42 @@ class GraphBuilder:
             # snapshot the names used: later assignments may shadow them (tract allows reassignment)
             snap = _Ctx({n: ctx.scope[n] for n in _identifiers(e) if n in ctx.scope}, ctx.prefix, ctx.depth)
             snap.memo = ctx.memo
-            return Lazy(lambda vals, e=e, c=snap: self._attr(e, c, vals), expr_text(e))
+            return Lazy(lambda vals, e=e, c=snap: self._attr(e, c, vals), expr_text(e), self._reads(e, snap))
         return v
+
+    def _reads(self, e: A.Expr, ctx: _Ctx) -> tuple[int, ...] | None:
+        """Slots an attribute expression reads at run time: tensors named in it, nested invocations
+        (memoised when the expression was first evaluated), symbols; None if one is not known."""
+        out: set[int] = set()
+
+        def add(v: Any) -> bool:
+            if isinstance(v, (TRef, LRef)):
+                out.add(v.slot)
+            elif isinstance(v, Lazy):
+                if v.reads is None:
+                    return False
+                out.update(v.reads)
+            elif isinstance(v, (list, tuple)):
+                return all(add(x) for x in v)
+            return True
+
+        stack: list[Any] = [e]
+        while stack:
+            x = stack.pop()
+            if isinstance(x, A.Identifier):
+                if x.name in ctx.scope:
+                    if not add(ctx.scope[x.name]):
+                        return None
+                elif x.name in self.symbols:
+                    out.add(self.symbols[x.name])
+            elif isinstance(x, A.Invocation) and id(x) in ctx.memo:
+                if not add(ctx.memo[id(x)]):
+                    return None
+            if isinstance(x, (list, tuple)):
+                stack.extend(x)
+            elif hasattr(x, "__dataclass_fields__"):
+                stack.extend(getattr(x, f) for f in x.__dataclass_fields__ if f != "pos")
+        return tuple(sorted(out))
 
     def _static_literal(self, e: A.Expr) -> Any:
         v = self._attr(e, _Ctx({}, "", 0), None)
@@ -691,7 +745,7 @@ class GraphBuilder:
                     a = self.attr(e, ctx)
                     if p.is_array:  # tract accepts a single item where an array is declared
                         if isinstance(a, Lazy):
-                            a = Lazy(lambda v, f=a.fn: _as_list(f(v)), a.text)
+                            a = Lazy(lambda v, f=a.fn: _as_list(f(v)), a.text, a.reads)
                         else:
                             a = _as_list(a)
                     attrs[p.name] = a
@@ -880,14 +934,14 @@ class GraphBuilder:
         plan = build_plan(graph)
         if plan.stateful:
             raise GraphError(where + f"body fragment '{frag.name}' has stateful operations")
-        steps, base = plan.steps, plan.base
+        base = plan.base
+        from .plan import execute
 
         def body(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
             v = base.copy()
             for name, slot in in_slots.items():
                 v[slot] = feed[name]
-            for step in steps:
-                step(v, [])
+            execute(plan, v, [])
             return {name: v[slot] for name, slot in out_slots.items()}
 
         return body
@@ -921,11 +975,10 @@ class GraphBuilder:
         names = [i.name for i in plan.inputs]
 
         def run_submodel(inputs: list[np.ndarray], label: str = "") -> Any:
-            from .plan import bind_inputs
+            from .plan import bind_inputs, execute
 
             v = bind_inputs(plan, {n: x for n, x in zip(names, inputs)})
-            for step in plan.steps:
-                step(v, [])
+            execute(plan, v, [])
             outs = tuple(v[s] for _, s in plan.outputs)
             return outs[0] if len(outs) == 1 else outs
 

@@ -5,10 +5,15 @@ What happens here, once:
   run now and its outputs become constants (``unsqueeze(weight)``, casts of weights, ...);
 * weight layout: ``linear(x, W)`` and ``matmul(x, W, transposeB = true)`` with a constant ``W`` get ``W``
   pre-transposed to a contiguous ``[in, out]`` array, so the run does a plain ``x @ Wt``;
+* projection fusion: several such products of one input (q/k/v, gate/up) become one product by the weights
+  side by side (``Plan.info["fused_projections"]`` counts the products absorbed);
 * dispatch: every node becomes one closure ``step(values, states)`` with its argument slots and static
-  attributes already resolved; attributes that need run-time values are evaluated inside the step.
+  attributes already resolved; attributes that need run-time values are evaluated inside the step;
+* liveness: after each step, the slots whose last reader it was are dropped from the run's value list
+  (``Plan.frees``), so a run holds only the values still needed, not one per node.
 
-A session holds only per-run values and the states of stateful nodes.
+:func:`execute` runs the steps (errors name the node and its source location); a session holds only
+per-run values and the states of stateful nodes.
 """
 from __future__ import annotations
 
@@ -19,8 +24,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import GraphError, InputError, NnefKvError
+from ..errors import GraphError, InputError, NnefKvError, NnefSyntaxError
 from .graph import Graph, InputSpec, Lazy, Node
+from .parallel import SPLITTER, split_matmul
 
 Step = Callable[[list, list], None]
 
@@ -36,10 +42,39 @@ class Plan:
     outputs: list[tuple[str, int]]
     fingerprint: str
     info: dict[str, int] = field(default_factory=dict)
+    #: per step: slots no later step reads (dropped once it has run); outputs and constants never are
+    frees: list[tuple[int, ...]] = field(default_factory=list)
+    #: per step: ``(step, frees)``, what :func:`execute` iterates over
+    program: list[tuple[Step, tuple[int, ...]]] = field(default_factory=list)
+    _keeping: dict[frozenset[int], list[tuple[Step, tuple[int, ...]]]] = field(default_factory=dict, repr=False)
 
     @property
     def input_names(self) -> list[str]:
         return [i.name for i in self.inputs]
+
+    def program_keeping(self, keep: frozenset[int]) -> list[tuple[Step, tuple[int, ...]]]:
+        """The program with the slots in ``keep`` never dropped (values captured by name), cached."""
+        if not keep:
+            return self.program
+        prog = self._keeping.get(keep)
+        if prog is None:
+            prog = [(st, tuple(s for s in dead if s not in keep)) for st, dead in self.program]
+            if len(self._keeping) < 64:
+                self._keeping[keep] = prog
+        return prog
+
+    def slot_of(self, name: str) -> int | None:
+        """The slot of a graph-body identifier, else of a node (by name, its first output); None if neither."""
+        slot = self.graph.names.get(name)
+        if slot is not None:
+            return slot
+        for spec in self.graph.inputs:
+            if spec.name == name:
+                return spec.slot
+        for node in self.graph.nodes:
+            if node.name == name and node.outputs:
+                return _slots_of(node.outputs[0])[0]
+        return None
 
     @property
     def output_names(self) -> list[str]:
@@ -118,9 +153,12 @@ def _lazy_text(a: Lazy) -> Any:
 
 
 def _matmul_pretransposed(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
-    """``a @ bt`` with the leading axes of ``a`` folded into rows: one 2-D BLAS call."""
+    """``a @ bt`` with the leading axes of ``a`` folded into rows: one 2-D BLAS call (split in two column
+    halves across two threads when the session runs with ``threads = 2``, see :mod:`.parallel`)."""
     if a.ndim > 2 and bt.ndim == 2 and a.flags.c_contiguous and a.dtype == bt.dtype:
-        return np.matmul(a.reshape(-1, a.shape[-1]), bt).reshape(a.shape[:-1] + (bt.shape[1],))
+        return split_matmul(a.reshape(-1, a.shape[-1]), bt).reshape(a.shape[:-1] + (bt.shape[1],))
+    if a.ndim == 2 and bt.ndim == 2:
+        return split_matmul(a, bt)
     return np.matmul(a, bt)
 
 
@@ -230,6 +268,80 @@ def _make_step(node: Node, kernel: Callable, ins: list[Any], attrs: dict[str, An
     return step
 
 
+def _liveness(graph: Graph, step_nodes: list[Node], base: list[Any]) -> list[tuple[int, ...]] | None:
+    """Per step, the slots it is the last to read (or produces for no reader): safe to drop after it.
+
+    Readers are the node's tensor inputs and the slots its run-time attributes read (``Lazy.reads``);
+    None when an attribute's reads are unknown (then nothing is dropped)."""
+    never = {s for _, s in graph.outputs} | set(graph.symbols.values())
+    never |= {i for i, b in enumerate(base) if b is not None}  # constants (and folded values)
+    last: dict[int, int] = {}
+    for k, node in enumerate(step_nodes):
+        for spec in node.inputs:
+            for s in _slots_of(spec):
+                last[s] = k
+        for a in node.attrs.values():
+            if isinstance(a, Lazy):
+                if a.reads is None:
+                    return None
+                for s in a.reads:
+                    last[s] = k
+        for spec in node.outputs:
+            for s in _slots_of(spec):
+                last.setdefault(s, k)  # produced and never read: dropped at once
+    frees: list[list[int]] = [[] for _ in step_nodes]
+    for s, k in last.items():
+        if s not in never:
+            frees[k].append(s)
+    return [tuple(sorted(f)) for f in frees]
+
+
+def node_error(node: Node, exc: BaseException) -> NnefKvError:
+    """An error raised inside a node's kernel, as ``file:line:col: node 'name' (op): message``.
+
+    An nnef-kv error keeps its type (an InputError stays one); any other exception becomes a GraphError
+    (its type name is kept in the message). The original is chained as ``__cause__``."""
+    if isinstance(exc, NnefKvError) and getattr(exc, "node", None) is not None:
+        return exc  # already placed (a nested plan: scan body, sub-model)
+    prefix = f"{node.location}: node '{node.name}' ({node.op}): "
+    if isinstance(exc, NnefKvError) and not isinstance(exc, NnefSyntaxError):
+        msg = str(exc)
+        cls: type[NnefKvError] = type(exc)
+    else:
+        msg = f"{type(exc).__name__}: {exc}"
+        cls = GraphError
+    try:
+        err = cls(prefix + msg)
+    except TypeError:  # an error type with another constructor
+        err = GraphError(prefix + msg)
+    err.node = node.name  # type: ignore[attr-defined]
+    err.location = node.location  # type: ignore[attr-defined]
+    return err
+
+
+def execute(plan: Plan, v: list, st: list, keep: frozenset[int] = frozenset(), threads: int = 1) -> None:
+    """Run every step of ``plan`` on the value list ``v`` (from :func:`bind_inputs`) and states ``st``,
+    dropping values after their last reader unless their slot is in ``keep``. ``threads = 2`` splits large
+    products by constant weights across the caller and a helper thread (:mod:`.parallel`)."""
+    program = plan.program_keeping(keep) if keep else plan.program
+    i = 0
+    split = threads > 1 and not SPLITTER.active
+    if split:
+        SPLITTER.active = True
+    try:
+        for step, dead in program:
+            step(v, st)
+            if dead:
+                for s in dead:
+                    v[s] = None
+            i += 1
+    except Exception as exc:
+        raise node_error(plan.step_nodes[i], exc) from exc
+    finally:
+        if split:
+            SPLITTER.active = False
+
+
 def fingerprint(graph: Graph) -> str:
     """Identity of a model for saved state: graph signature + node names, ops and static attributes."""
     h = hashlib.sha256()
@@ -246,8 +358,60 @@ def fingerprint(graph: Graph) -> str:
     return h.hexdigest()
 
 
-def build_plan(graph: Graph, fold_constants: bool = True) -> Plan:
-    """Compile a graph: fold constants, pre-transpose weights, make one closure per remaining node."""
+def _fuse_projections(steps: list[Step], step_nodes: list[Node],
+                      projections: list[tuple[int, int, np.ndarray, int, int]], base: list[Any]
+                      ) -> tuple[list[Step], list[Node], int]:
+    """Products of one input by several constant weights (q/k/v, gate/up) -> one product by the weights
+    side by side, run where the first of them was; each output is a column slice of the result. The
+    others' inputs are that same input and constants, so running them earlier changes nothing."""
+    groups: dict[int, list[tuple[int, int, np.ndarray, int, int]]] = {}
+    for p in projections:
+        groups.setdefault(p[1], []).append(p)
+    replace: dict[int, tuple[Step, Node]] = {}
+    drop: set[int] = set()
+    for x, members in groups.items():
+        if len(members) < 2:
+            continue
+        w0 = members[0][2]
+        members = [m for m in members if m[2].shape[0] == w0.shape[0] and m[2].dtype == w0.dtype]
+        if len(members) < 2:
+            continue
+        wt = np.ascontiguousarray(np.concatenate([m[2] for m in members], axis=1))
+        parts: list[tuple[int, int, int]] = []
+        at = 0
+        for m in members:
+            parts.append((m[3], at, at + m[2].shape[1]))
+            at += m[2].shape[1]
+        first = step_nodes[members[0][0]]
+        node = Node(first.name, first.op, first.prim, [x] + [n for m in members for n in step_nodes[m[0]].inputs[1:]],
+                    {}, [m[3] for m in members], first.location)
+
+        def step(v: list, st: list, x: int = x, wt: np.ndarray = wt, parts: tuple = tuple(parts)) -> None:
+            y = _matmul_pretransposed(v[x], wt)
+            for o, a, b in parts:
+                v[o] = y[..., a:b]
+
+        replace[members[0][0]] = (step, node)
+        drop.update(m[0] for m in members[1:])
+        for m in members:  # the separate transposed weights are not used any more
+            base[m[4]] = None
+    if not replace:
+        return steps, step_nodes, 0
+    new_steps: list[Step] = []
+    new_nodes: list[Node] = []
+    for i, (st, nd) in enumerate(zip(steps, step_nodes)):
+        if i in drop:
+            continue
+        if i in replace:
+            st, nd = replace[i]
+        new_steps.append(st)
+        new_nodes.append(nd)
+    return new_steps, new_nodes, len(drop)
+
+
+def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool = True) -> Plan:
+    """Compile a graph: fold constants, pre-transpose weights, fuse products of one input by several
+    constant weights, make one closure per remaining node."""
     base: list[Any] = [None] * graph.nslots
     for s, arr in graph.constants.items():
         base[s] = arr
@@ -256,6 +420,8 @@ def build_plan(graph: Graph, fold_constants: bool = True) -> Plan:
     step_nodes: list[Node] = []
     stateful: list[tuple[int, Node]] = []
     folded = 0
+    # (step, input slot, [in, out] weight, output slot, slot of that weight in base)
+    projections: list[tuple[int, int, np.ndarray, int, int]] = []
     for node in graph.nodes:
         prim = node.prim
         if prim.stateful:
@@ -285,17 +451,30 @@ def build_plan(graph: Graph, fold_constants: bool = True) -> Plan:
         rw = _rewrite_weights(node, base, consts)
         if rw is not None:
             kernel, ins, attrs = rw
+            if (kernel is _matmul_pretransposed or (kernel is _linear_pretransposed and ins[2] is None)) \
+                    and isinstance(ins[0], int) and len(node.outputs) == 1 and isinstance(node.outputs[0], int):
+                projections.append((len(steps), ins[0], ins[1][1], node.outputs[0], len(base)))
         else:
             kernel, ins, attrs = prim.kernel, list(node.inputs), node.attrs
         steps.append(_make_step(node, kernel, ins, attrs, None, base))
         step_nodes.append(node)
+    if fuse_projections and projections:
+        steps, step_nodes, fused = _fuse_projections(steps, step_nodes, projections, base)
+    else:
+        fused = 0
     for name, slot in graph.outputs:
         if base[slot] is None and slot not in {i.slot for i in graph.inputs} and not any(
             slot in _slots_of(o) for n in step_nodes for o in n.outputs
         ):
             raise GraphError(f"{graph.filename}: output '{name}' is not computed by the graph")
+    frees = _liveness(graph, step_nodes, base)
+    live = frees is not None
+    if frees is None:
+        frees = [() for _ in steps]
     return Plan(graph, base, steps, step_nodes, stateful, graph.inputs, graph.outputs, fingerprint(graph),
-                {"nodes": len(graph.nodes), "folded": folded, "steps": len(steps)})
+                {"nodes": len(graph.nodes), "folded": folded, "steps": len(steps), "liveness": int(live),
+                 "fused_projections": fused},
+                frees, list(zip(steps, frees)))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -363,7 +542,23 @@ def bind_inputs(plan: Plan, inputs: dict[str, Any], state_symbols: dict[str, tup
                 f"input '{spec.name}' has {n} at axis {axis}, the graph declares {d.text} = {got}")
     for spec, x in arrays:
         v[spec.slot] = x
+    if g.assertions:
+        check_assertions(g, v)
     return v
+
+
+def check_assertions(g: Graph, v: list) -> None:
+    """InputError naming the first ``tract_assert`` the bound symbols violate (scenario hints and
+    assertions on symbols this run does not bind are not checked)."""
+    env = {name: int(v[slot]) for name, slot in g.symbols.items() if v[slot] is not None}
+    for a in g.assertions:
+        try:
+            ok = a.check(env)
+        except (ValueError, ZeroDivisionError) as exc:
+            raise InputError(f"{a.location}: tract_assert {a.text} cannot be evaluated: {exc}") from None
+        if ok is False:
+            vals = ", ".join(f"{s} = {env[s]}" for s in a.symbols)
+            raise InputError(f"{a.location}: tract_assert {a.text} does not hold ({vals})")
 
 
 def _solve(g: Graph, d: Lazy, v: list, n: int) -> Any:

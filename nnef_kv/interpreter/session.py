@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..errors import GraphError, NnefKvError, StateError
+from ..errors import GraphError, InputError, NnefKvError, StateError
 from ..grammar import ast as A
-from .plan import Plan, _symbolic_attrs, bind_inputs, build_plan
+from .graph import Node
+from .plan import Plan, _slots_of, _symbolic_attrs, bind_inputs, build_plan, execute
 
 STATE_FORMAT = "nnef-kv-session-state"
 STATE_MANIFEST = "state.json"
@@ -38,8 +39,8 @@ class DocumentModel:
     quantization: Any = None
     source: str | None = None
 
-    def session(self, state: Any = None) -> "Session":
-        return Session(self, state=state)
+    def session(self, state: Any = None, threads: int = 1) -> "Session":
+        return Session(self, state=state, threads=threads)
 
 
 def _submodel_loader(model: Any) -> Any:
@@ -118,7 +119,12 @@ class Session:
     ``outputs = session.run({"input": x})`` returns a dict by output name in the graph's output order.
     """
 
-    def __init__(self, model: Any, state: str | os.PathLike | None = None) -> None:
+    def __init__(self, model: Any, state: str | os.PathLike | None = None, threads: int = 1) -> None:
+        """``threads = 2``: large products by constant weights run as two column halves, one on a helper
+        thread (:mod:`nnef_kv.interpreter.parallel`; keep BLAS itself on one thread then)."""
+        if int(threads) < 1:
+            raise InputError(f"threads must be >= 1, got {threads}")
+        self.threads = int(threads)
         self.model = model
         self.plan = get_plan(model)
         self.states: list[Any] = []
@@ -143,22 +149,45 @@ class Session:
     def output_names(self) -> list[str]:
         return self.plan.output_names
 
-    def run(self, inputs: dict[str, Any]) -> dict[str, np.ndarray]:
-        """Run the graph once on ``inputs`` (by input name); returns outputs by name, in graph order."""
+    def run(self, inputs: dict[str, Any], capture: Any = None) -> Any:
+        """Run the graph once on ``inputs`` (by input name); returns outputs by name, in graph order.
+
+        ``capture``: intermediate tensors to return too, each named by an identifier of the graph body
+        (its first assignment; else a node name, e.g. ``"t.inner"`` inside an expanded fragment or
+        ``"x#1"`` for a later one) or given as a node of ``plan.step_nodes`` (its first output, keyed by
+        the node's name: exact for tools that pick nodes by op). Then the result is
+        ``(outputs, {name: array})``; the arrays are the run's own values (not copies: do not write into
+        them). An unknown name is an InputError raised before anything runs. Captured values are kept
+        alive; the normal path (no ``capture``) is unchanged.
+
+        A kernel failing raises ``file:line:col: node 'name' (op): message`` (GraphError, or the
+        kernel's own nnef-kv error type)."""
         plan = self.plan
+        if capture is not None:
+            wanted = [capture] if isinstance(capture, (str, Node)) else list(capture)
+            names = [w.name if isinstance(w, Node) else str(w) for w in wanted]
+            slots = self._capture_slots(wanted)
+            v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
+            execute(plan, v, self.states, frozenset(slots), self.threads)
+            return {name: v[slot] for name, slot in plan.outputs}, {n: v[s] for n, s in zip(names, slots)}
         v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
-        st = self.states
-        i = 0
-        try:
-            for step in plan.steps:
-                step(v, st)
-                i += 1
-        except NnefKvError:
-            raise
-        except Exception as exc:
-            node = plan.step_nodes[i]
-            raise GraphError(f"{node.location}: {node.op} '{node.name}' failed: {type(exc).__name__}: {exc}") from exc
+        execute(plan, v, self.states, threads=self.threads)
         return {name: v[slot] for name, slot in plan.outputs}
+
+    def _capture_slots(self, wanted: list[Any]) -> list[int]:
+        out = []
+        for n in wanted:
+            if isinstance(n, Node):
+                if not n.outputs:
+                    raise InputError(f"capture: node '{n.name}' has no output")
+                out.append(_slots_of(n.outputs[0])[0])
+                continue
+            slot = self.plan.slot_of(str(n))
+            if slot is None:
+                raise InputError(f"capture: no tensor named '{n}' in the graph (an identifier of its body or a "
+                                 f"node name)")
+            out.append(slot)
+        return out
 
     __call__ = run
 

@@ -341,14 +341,22 @@ def squeeze(input: np.ndarray, axes: Sequence[int] = ()) -> np.ndarray:
 
 @primitive("fragment unsqueeze<?>(input: tensor<?>, axes: integer[]) -> (output: tensor<?>);")
 def unsqueeze(input: np.ndarray, axes: Sequence[int] = ()) -> np.ndarray:
+    if not len(axes):
+        return input
     rank = input.ndim + len(axes)
-    return np.expand_dims(input, _axes(axes, rank)) if len(axes) else input
+    ax = _axes(axes, rank)
+    if len(set(ax)) != len(ax) or ax[0] < 0 or ax[-1] >= rank:
+        return np.expand_dims(input, ax)  # its error message
+    shape = list(input.shape)
+    for a in ax:
+        shape.insert(a, 1)
+    return input.reshape(shape)
 
 
 @primitive("fragment transpose<?>(input: tensor<?>, axes: integer[]) -> (output: tensor<?>);")
 def transpose(input: np.ndarray, axes: Sequence[int] = ()) -> np.ndarray:
     perm = list(axes) + list(range(len(axes), input.ndim))
-    return np.transpose(input, perm)
+    return input.transpose(perm)
 
 
 @primitive("fragment concat<?>(values: tensor<?>[], axis: integer) -> (value: tensor<?>);")

@@ -16,13 +16,24 @@ def parse_datum_type(name: str, *, where: str = "") -> np.dtype:
     """The NumPy dtype of a tract datum-type name (``"f32"``, ``"F32"``, ``"I64"``, ``"TDim"``, ...).
 
     Delegates to :func:`nnef_kv.interpreter.dtypes.dtype_of` (one table for the whole package)."""
+    hit = _DTYPES.get(name) if isinstance(name, str) else None
+    if hit is not None:
+        return hit
     from ..dtypes import dtype_of
 
-    return dtype_of(str(name), f"{where}: " if where else "")
+    dt = dtype_of(str(name), f"{where}: " if where else "")
+    if isinstance(name, str) and len(_DTYPES) < 256:
+        _DTYPES[name] = dt
+    return dt
+
+
+_DTYPES: dict[str, np.dtype] = {}
 
 
 def as_int(value: Any, *, what: str = "value") -> int:
     """An integer from a Python int, a NumPy scalar or a one-element array (a tract wire)."""
+    if type(value) is int:
+        return value
     if isinstance(value, (bool, np.bool_)):
         return int(value)
     if isinstance(value, (int, np.integer)):
@@ -38,6 +49,8 @@ def as_int(value: Any, *, what: str = "value") -> int:
 
 def as_float(value: Any, *, what: str = "value") -> float:
     """A float from a Python number, a NumPy scalar or a one-element array."""
+    if type(value) is float:
+        return value
     arr = np.asarray(value)
     if arr.size != 1:
         raise GraphError(f"{what} must be a single number, got an array of shape {arr.shape}")
@@ -64,4 +77,8 @@ def norm_axis(axis: int, rank: int, *, what: str = "axis") -> int:
 
 def float_compute_dtype(dtype: np.dtype) -> np.dtype:
     """Where tract computes a float op: f16 and f32 inputs in f32, f64 in f64."""
-    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+    return _F64 if dtype == _F64 else _F32
+
+
+_F32 = np.dtype(np.float32)
+_F64 = np.dtype(np.float64)

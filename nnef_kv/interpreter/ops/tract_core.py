@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...errors import GraphError
+from ...errors import GraphError, InputError
 from ..registry import primitive
 from .tract_common import as_float, as_int, as_int_list, float_compute_dtype, norm_axis, parse_datum_type
 
@@ -151,10 +151,12 @@ def tract_core_downsample(input: np.ndarray, *, axis: int, stride: int, modulo: 
 # Gathers and scatters
 # ----------------------------------------------------------------------------------------------
 def _index_array(indices: np.ndarray, dim: int, what: str) -> np.ndarray:
-    idx = cast_array(np.asarray(indices), np.dtype(np.int64))
-    idx = np.where(idx < 0, idx + dim, idx)
+    idx = np.asarray(indices)
+    idx = idx if idx.dtype == np.int64 else cast_array(idx, np.dtype(np.int64))
+    if idx.size and idx.min() < 0:
+        idx = np.where(idx < 0, idx + dim, idx)
     if idx.size and (idx.min() < 0 or idx.max() >= dim):
-        raise GraphError(f"{what}: index out of range for an axis of length {dim}")
+        raise InputError(f"{what}: index out of range for an axis of length {dim}")
     return idx
 
 
@@ -372,13 +374,24 @@ def tract_core_product_reduce(input: np.ndarray, *, axes: Sequence[int]) -> np.n
 )
 def tract_core_rms_norm(input: np.ndarray, *, axis: int, eps: float = 1e-6) -> np.ndarray:
     """``x / sqrt(mean(x^2, axis) + eps)``, computed in f32 for f16/f32 (as tract), result in the input type."""
-    x = np.asarray(input)
+    x = input if type(input) is np.ndarray else np.asarray(input)
     work = float_compute_dtype(x.dtype)
-    xf = x.astype(work)
+    xf = x if x.dtype == work else x.astype(work)
     ax = norm_axis(as_int(axis), x.ndim)
-    ms = np.mean(np.square(xf), axis=ax, keepdims=True, dtype=work)
-    r = (work.type(1.0) / np.sqrt(ms + work.type(as_float(eps)))).astype(work)
-    return (xf * r).astype(x.dtype)
+    # np.mean's arithmetic without its Python wrapper: pairwise sum in `work`, then / count (np.mean
+    # divides in f64 and rounds to `work`; so does the one-value path below)
+    ms = np.add.reduce(np.square(xf), axis=ax, keepdims=True, dtype=work)
+    n = x.shape[ax]
+    e = work.type(as_float(eps))
+    if ms.size == 1:  # one vector (a decode step): scalar arithmetic, same roundings
+        r = work.type(1.0) / np.sqrt(work.type(float(ms.reshape(())) / n) + e)
+        y = xf * r
+    else:
+        ms /= np.intp(n)
+        ms += e
+        np.sqrt(ms, out=ms)
+        y = np.multiply(xf, np.divide(work.type(1.0), ms, out=ms))
+    return y if y.dtype == x.dtype else y.astype(x.dtype)
 
 
 def softmax_array(x: np.ndarray, axes: tuple[int, ...]) -> np.ndarray:
@@ -452,13 +465,21 @@ def _float_unary(x: np.ndarray, fn) -> np.ndarray:
         raise GraphError(f"expected a float tensor, got {arr.dtype}")
     work = float_compute_dtype(arr.dtype)
     with np.errstate(over="ignore"):
-        return np.asarray(fn(arr.astype(work))).astype(arr.dtype)
+        return np.asarray(fn(arr.astype(work, copy=False))).astype(arr.dtype, copy=False)
+
+
+def _silu(v: np.ndarray) -> np.ndarray:
+    """``v / (1 + exp(-v))`` in v's type, in one scratch array."""
+    e = np.negative(v)
+    np.exp(e, out=e)
+    e += v.dtype.type(1)
+    return np.divide(v, e, out=e)
 
 
 @primitive("fragment tract_core_silu(x: tensor<scalar>) -> (y: tensor<scalar>);", REG, "tract_transformers_silu")
 def tract_core_silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)``."""
-    return _float_unary(x, lambda v: v / (v.dtype.type(1) + np.exp(-v)))
+    return _float_unary(x, _silu)
 
 
 @primitive(

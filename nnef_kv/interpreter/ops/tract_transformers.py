@@ -54,7 +54,8 @@ def sdpa_array(
     head ``h`` reads KV head ``h // (Hq / Hkv)``. ``mask`` is additive and must be a float tensor (tract refuses
     others), broadcast against ``[B, Hq, Sq, Skv]``; a mask of lower rank
     gets leading unit axes. Result ``[B, Hq, Sq, Dv]`` in q's dtype."""
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    if type(q) is not np.ndarray or type(k) is not np.ndarray or type(v) is not np.ndarray:
+        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
     rank = q.ndim
     if rank not in (3, 4) or k.ndim != rank or v.ndim != rank:
         raise GraphError(f"{where}: q, k, v must all be rank 3 or 4, got {q.shape}, {k.shape}, {v.shape}")
@@ -77,13 +78,19 @@ def sdpa_array(
         raise GraphError(f"{where}: q heads ({hq}) must be a multiple of k/v heads ({hkv})")
     g = hq // hkv
     s = (1.0 / math.sqrt(d)) if scale is None else float(scale)
-    q5 = q.astype(work).reshape(b, hkv, g, sq, d)
-    k5 = k.astype(work)[:, :, None]
-    v5 = v.astype(work)[:, :, None]
-    scores = np.matmul(q5, np.swapaxes(k5, -1, -2)) * work.type(s)  # [B, Hkv, g, Sq, Skv]
+    dv = v.shape[-1]
+    # query groups folded into rows: [B, Hkv, g*Sq, D] @ [B, Hkv, D, Skv], one batched product per KV head
+    qf = (q if q.dtype == work else q.astype(work)).reshape(b, hkv, g * sq, d)
+    kf = k if k.dtype == work else k.astype(work)
+    vf = v if v.dtype == work else v.astype(work)
+    scores = np.matmul(qf, np.swapaxes(kf, -1, -2))  # [B, Hkv, g*Sq, Skv], a fresh array: updated in place
+    scores *= work.type(s)
     if is_causal:
-        allowed = causal_mask(sq, skv)
-        scores = np.where(allowed, scores, work.type(-np.inf))
+        past = skv - sq
+        if past < 0 or sq > 1:  # one query row at the end sees every key: nothing to mask
+            rows = np.arange(g * sq) % sq
+            blocked = np.arange(skv)[None, :] > (rows + past)[:, None]
+            np.copyto(scores, work.type(-np.inf), where=blocked)
     elif mask is not None:
         m = np.asarray(mask)
         if m.dtype.kind != "f":
@@ -91,22 +98,31 @@ def sdpa_array(
             raise GraphError(f"{where}: the mask must be a float tensor (additive), got {m.dtype}")
         if m.ndim > 4:
             raise GraphError(f"{where}: mask of rank {m.ndim} for rank-4 attention")
-        m = m.reshape((1,) * (4 - m.ndim) + m.shape).astype(work)
+        m = m.reshape((1,) * (4 - m.ndim) + m.shape).astype(work, copy=False)
         if m.shape[1] == 1:
             m5 = m[:, :, None]
         elif m.shape[1] == hq:
             m5 = m.reshape(m.shape[0], hkv, g, m.shape[2], m.shape[3])
         else:
             raise GraphError(f"{where}: mask heads ({m.shape[1]}) must be 1 or {hq}")
-        scores = scores + m5
-    with np.errstate(invalid="ignore"):  # a fully masked row gives NaN, as in tract 0.23.9
-        mx = np.max(scores, axis=-1, keepdims=True)
-        e = np.exp(scores - mx)
-        w = e / np.sum(e, axis=-1, keepdims=True)
-    out = np.matmul(w, v5).reshape(b, hq, sq, v.shape[-1])
+        s5 = scores.reshape(b, hkv, g, sq, skv)
+        if np.broadcast_shapes(s5.shape, m5.shape) == s5.shape:
+            s5 += m5
+        else:
+            scores = (s5 + m5).reshape(-1, hkv, g * sq, skv)
+    if masked := (mask is not None or (is_causal and skv < sq)):
+        err = np.seterr(invalid="ignore")  # a fully masked row gives NaN, as in tract 0.23.9
+    try:  # ufunc reductions called directly: np.max / np.sum add a Python layer per call
+        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= np.add.reduce(scores, axis=-1, keepdims=True)
+    finally:
+        if masked:
+            np.seterr(**err)
+    out = np.matmul(scores, vf).reshape(scores.shape[0], hq, sq, dv)
     if rank == 3:
         out = out[:, 0]
-    return out.astype(out_dtype)
+    return out if out.dtype == out_dtype else out.astype(out_dtype)
 
 
 @primitive(
@@ -178,9 +194,14 @@ def tract_transformers_apply_rope(input: np.ndarray, cos: np.ndarray, sin: np.nd
     if d % 2:
         raise GraphError(f"tract_transformers_apply_rope: last axis ({d}) must be even")
     half = d // 2
-    rot = np.concatenate([-x[..., half:], x[..., :half]], axis=-1)
-    c, s = np.asarray(cos).astype(dt), np.asarray(sin).astype(dt)
-    return ((x * c).astype(dt) + (rot * s).astype(dt)).astype(dt)
+    rot = np.empty_like(x)
+    np.negative(x[..., half:], out=rot[..., :half])
+    rot[..., half:] = x[..., :half]
+    c, s = np.asarray(cos).astype(dt, copy=False), np.asarray(sin).astype(dt, copy=False)
+    out = np.multiply(x, c).astype(dt, copy=False)
+    rot = np.multiply(rot, s).astype(dt, copy=False)
+    out += rot
+    return out
 
 
 # ----------------------------------------------------------------------------------------------
@@ -194,10 +215,15 @@ def tract_transformers_apply_rope(input: np.ndarray, cos: np.ndarray, sin: np.nd
 )
 class DynKvCache:
     """tract's ``DynKeyValueCache``: each run concatenates its input onto the cache along ``axis`` and
-    returns the whole cache. The cache starts empty (the first run returns its input).
+    returns the whole cache. The cache starts empty (the first run returns its input). Entries live in a
+    buffer with geometric spare capacity, so a decode step copies only its new entries.
 
     ``past_sequence_shape`` may name a symbol (``P``) on ``axis``; :meth:`symbol_bindings` gives its
     current value (the cached length, 0 when empty), as tract resolves it from the cache."""
+
+    #: capacity grows to ``max(needed, GROWTH * capacity, needed + MIN_HEADROOM)`` entries along ``axis``
+    GROWTH = 1.5
+    MIN_HEADROOM = 32
 
     def __init__(
         self,
@@ -213,49 +239,97 @@ class DynKvCache:
         self.dtype = parse_datum_type(datum_type, where=f"tract_transformers_dyn_kv_cache {self.name!r}")
         self.past_sequence_shape = tuple(past_sequence_shape)
         self.input_sequence_shape = tuple(input_sequence_shape)
-        self.cache: np.ndarray | None = None
+        self.buf: np.ndarray | None = None  # capacity along the axis >= self.n; entries [0, n) are the cache
+        self.n = 0
+        self._ax = 0
 
     def __call__(self, input: np.ndarray) -> np.ndarray:  # noqa: A002 - NNEF parameter name
+        """Append ``input`` along the axis; returns the whole cache as a read-only view of the buffer.
+
+        Appends write only past the entries already handed out and a reset or a restore drops the buffer,
+        so a view returned by an earlier run never changes. O(new entries) per run, amortised."""
         x = np.asarray(input)
-        ax = norm_axis(self.axis, x.ndim, what=f"dyn_kv_cache {self.name!r} axis")
-        if self.cache is None:
-            out = x.copy()
+        buf = self.buf
+        if buf is None:
+            ax = norm_axis(self.axis, x.ndim, what=f"dyn_kv_cache {self.name!r} axis")
+            self._ax = ax
+            self._alloc(x.shape, x.dtype, x.shape[ax])
+            buf = self.buf
+            assert buf is not None
         else:
-            if self.cache.ndim != x.ndim or any(
-                a != b for i, (a, b) in enumerate(zip(self.cache.shape, x.shape)) if i != ax
-            ):
+            ax = self._ax
+            if buf.ndim != x.ndim or any(a != b for i, (a, b) in enumerate(zip(buf.shape, x.shape)) if i != ax):
+                shape = list(buf.shape)
+                shape[ax] = self.n
                 raise GraphError(
                     f"tract_transformers_dyn_kv_cache {self.name!r}: input {x.shape} does not extend cache "
-                    f"{self.cache.shape} along axis {ax}"
+                    f"{tuple(shape)} along axis {ax}"
                 )
-            out = np.concatenate([self.cache, x.astype(self.cache.dtype, copy=False)], axis=ax)
-        self.cache = out
-        return out.copy()
+        n0, k = self.n, x.shape[ax]
+        if n0 + k > buf.shape[ax]:
+            self._alloc(buf.shape, buf.dtype, n0 + k)
+            buf = self.buf
+            assert buf is not None
+        lead = (slice(None),) * ax
+        buf[lead + (slice(n0, n0 + k),)] = x
+        self.n = n0 + k
+        out = buf[lead + (slice(0, self.n),)]
+        out.flags.writeable = False
+        return out
+
+    def _alloc(self, shape: Sequence[int], dtype: np.dtype, needed: int) -> None:
+        """A new buffer holding at least ``needed`` entries (with headroom), the current ones copied."""
+        ax = self._ax
+        old = self.buf
+        cap = 0 if old is None else old.shape[ax]
+        new_cap = max(needed, int(math.ceil(cap * self.GROWTH)), needed + self.MIN_HEADROOM)
+        full = list(shape)
+        full[ax] = new_cap
+        new = np.empty(full, dtype=dtype)
+        if old is not None and self.n:
+            lead = (slice(None),) * ax
+            new[lead + (slice(0, self.n),)] = old[lead + (slice(0, self.n),)]
+        self.buf = new
+
+    @property
+    def cache(self) -> np.ndarray | None:
+        """The cached entries (a view), None when empty."""
+        if self.buf is None:
+            return None
+        return self.buf[(slice(None),) * self._ax + (slice(0, self.n),)]
+
+    @property
+    def capacity(self) -> int:
+        """Entries the buffer can hold along ``axis`` before it grows."""
+        return 0 if self.buf is None else int(self.buf.shape[self._ax])
 
     @property
     def length(self) -> int:
         """Entries cached along ``axis``."""
-        return 0 if self.cache is None else int(self.cache.shape[self.axis])
+        return self.n
 
     def symbol_bindings(self) -> dict[str, int]:
         """Symbols of ``past_sequence_shape`` given as names (str), bound to the cache's current dims."""
         out: dict[str, int] = {}
         for i, dim in enumerate(self.past_sequence_shape):
             if isinstance(dim, str):
-                out[dim] = self.length if i == self.axis else (
-                    int(self.cache.shape[i]) if self.cache is not None else 0
-                )
+                if self.buf is None:
+                    out[dim] = 0
+                else:
+                    out[dim] = self.n if i == self._ax else int(self.buf.shape[i])
         return out
 
     def reset(self) -> None:
-        self.cache = None
+        self.buf = None  # not reused: views handed out earlier keep their values
+        self.n = 0
 
     def state_tensors(self) -> dict[str, np.ndarray]:
-        return {} if self.cache is None else {"cache": self.cache.copy()}
+        c = self.cache
+        return {} if c is None else {"cache": np.ascontiguousarray(c).copy()}
 
     def load_state_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         if not tensors:
-            self.cache = None
+            self.reset()
             return
         if set(tensors) != {"cache"}:
             raise StateError(f"dyn_kv_cache {self.name!r}: expected state 'cache', got {sorted(tensors)}")
@@ -267,10 +341,20 @@ class DynKvCache:
         for i, dim in enumerate(self.past_sequence_shape):
             if isinstance(dim, (int, np.integer)) and i != self.axis and int(dim) != arr.shape[i]:
                 raise StateError(f"dyn_kv_cache {self.name!r}: saved cache shape {arr.shape} does not fit")
-        self.cache = arr.copy()
+        try:
+            ax = norm_axis(self.axis, arr.ndim, what=f"dyn_kv_cache {self.name!r} axis")
+        except GraphError as exc:
+            raise StateError(str(exc)) from None
+        self.reset()
+        self._ax = ax
+        self._alloc(arr.shape, arr.dtype, arr.shape[ax])
+        assert self.buf is not None
+        self.buf[(slice(None),) * ax + (slice(0, arr.shape[ax]),)] = arr
+        self.n = int(arr.shape[ax])
 
     def nbytes(self) -> dict[str, int]:
-        return {"codes": 0, "params": 0, "full_precision": 0 if self.cache is None else int(self.cache.nbytes)}
+        """Bytes held: the whole buffer, its unused capacity included."""
+        return {"codes": 0, "params": 0, "full_precision": 0 if self.buf is None else int(self.buf.nbytes)}
 
 
 # ----------------------------------------------------------------------------------------------
