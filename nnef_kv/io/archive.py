@@ -45,7 +45,8 @@ class Model:
     :class:`~nnef_kv.io.blockquant.BlockQuantTensor`); ``quantization``: the parsed ``graph.quant``
     or None; ``source``: the path it was loaded from (for messages); ``text``/``quant_text``: the
     texts as read (None when built in code); ``resources``: other members, name -> bytes;
-    ``tensor_info``: label -> the ``.dat`` encoding read (kept on save when it fits).
+    ``tensor_info``: label -> the ``.dat`` encoding read (kept on save when it fits); ``limits``: the
+    :class:`~nnef_kv.limits.Limits` given to :func:`load` (the defaults otherwise).
 
     Loaded arrays are read-only views into the archive's bytes (or memory map): copy before
     changing them in place, or assign a new array to ``tensors[label]``.
@@ -59,6 +60,8 @@ class Model:
     quant_text: str | None = None
     resources: dict[str, bytes] = field(default_factory=dict)
     tensor_info: dict[str, DatInfo] = field(default_factory=dict)
+    limits: Limits = field(default_factory=current_limits, repr=False, compare=False)
+    """The limits the model was loaded with; what graph building and running should apply to it too."""
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -218,6 +221,7 @@ def load(path: str | os.PathLike, limits: Limits | None = None, *, check: bool =
         quant_text=quant_text,
         resources=resources,
         tensor_info=infos,
+        limits=limits,
     )
     if check:
         model.check_variables()

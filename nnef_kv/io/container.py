@@ -277,8 +277,9 @@ def _read_tgz(path: Path, limits: Limits) -> list[Member]:
             raise ArchiveError(f"{where}: not a gzip-compressed tar archive ({e})") from None
         for ti, name in _iter_tar(tf, where, budget):
             _member_limit(name, ti.size, limits, where)
-            # refuse from the header, before inflating: a member cannot hold more than it claims
-            if budget.bytes + ti.size > limits.max_archive_bytes:
+            # refuse from the header, before inflating: the member ends at offset_data + size of the inflated
+            # stream (read-ahead bytes already counted by the budget are part of that span, not extra)
+            if ti.offset_data + ti.size > limits.max_archive_bytes:
                 raise LimitError(
                     f"{where}: member {name!r} claims {ti.size} bytes, more than max_archive_bytes="
                     f"{limits.max_archive_bytes} in all"

@@ -242,11 +242,15 @@ def _parse_header(raw: bytes | memoryview, name: str) -> _Header:
 
 
 def _count(h: _Header, name: str) -> int:
-    count = 1
+    count, nonzero = 1, 1
     for d in h.shape:
         count *= d
-    if count >= 1 << 64:
-        raise TensorFileError(f"{name}: the product of dims {list(h.shape)} overflows")
+        nonzero *= d or 1
+    # numpy cannot describe an array whose non-zero extents multiply past ~2^63 bytes, even an empty one
+    # (shape [50331650, 0, 1392508931, 65536]): refuse those too (2^58 items leaves room for 16-byte items)
+    if nonzero >= 1 << 58:
+        what = "dims" if count else "non-zero dims"
+        raise TensorFileError(f"{name}: the product of {what} {list(h.shape)} overflows")
     return count
 
 
