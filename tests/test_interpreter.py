@@ -329,3 +329,47 @@ graph g(x) -> (z, a)
     o2 = s.run({"x": X})
     assert list(o1) == ["z", "a"]
     np.testing.assert_array_equal(o1["a"], o2["a"])
+
+
+SUBMODEL_OUTER = """version 1.0;
+extension tract_registry tract_core;
+graph g(x) -> (y)
+{{
+  x = external<scalar>(shape = [2, 3]);
+  y = tract_core_submodel([x], label = {label});
+}}
+"""
+SUBMODEL_INNER = "version 1.0;\ngraph g(x) -> (y) { x = external<scalar>(shape = [2, 3]); y = neg(x); }\n"
+
+
+@pytest.mark.parametrize("label", ["../evil", "ABS", "inner/../../evil", ".", "inner/x", "1"])
+def test_submodel_label_cannot_leave_the_model(tmp_path: Any, label: str) -> None:
+    """``tract_core_submodel(label = ...)`` is resolved as ``source / label``: a label escaping the model's
+    folder (absolute, ``..``, separators) is refused with a GraphError naming it, although the target exists."""
+    (tmp_path / "model" / "inner").mkdir(parents=True)
+    (tmp_path / "evil").mkdir()
+    (tmp_path / "model" / "inner" / "graph.nnef").write_text(SUBMODEL_INNER)
+    (tmp_path / "evil" / "graph.nnef").write_text(SUBMODEL_INNER)
+    if label == "ABS":
+        label = str(tmp_path / "evil")
+    text_label = label if label == "1" else '"' + label + '"'
+    (tmp_path / "model" / "graph.nnef").write_text(SUBMODEL_OUTER.format(label=text_label))
+    with pytest.raises(GraphError, match="label") as info:
+        nnef_kv.load(tmp_path / "model").session()
+    assert "tract_core_submodel 'y'" in str(info.value)
+    if label != "1":
+        assert repr(label) in str(info.value)
+    # the loader refuses such labels by itself too (it is reachable without the builder's check)
+    from nnef_kv.interpreter.session import _submodel_loader
+
+    model = nnef_kv.load(tmp_path / "model", check=False)
+    with pytest.raises(GraphError, match="not a plain file name"):
+        _submodel_loader(model)(label if label != "1" else "..")
+
+
+def test_submodel_with_a_plain_label_runs(tmp_path: Any) -> None:
+    (tmp_path / "model" / "inner").mkdir(parents=True)
+    (tmp_path / "model" / "inner" / "graph.nnef").write_text(SUBMODEL_INNER)
+    (tmp_path / "model" / "graph.nnef").write_text(SUBMODEL_OUTER.format(label='"inner"'))
+    out = nnef_kv.load(tmp_path / "model").session().run({"x": X})
+    np.testing.assert_array_equal(out["y"], -X)

@@ -104,16 +104,7 @@ PARITY_OPS = {
     "clamp": "y = clamp(x, 0.0, 1.0);",
     "argmax": "y = argmax_reduce(x, axes = [0]);",
 }
-KNOWN_DEVIATIONS = {
-    "round": ("interpreter/ops/nnef_std.py:_round computes sign(x) * floor(|x| + 0.5): round(-0.0) = +0.0, but IEEE "
-              "and tract keep -0.0; fix: np.copysign(np.floor(np.abs(x) + 0.5), x)"),
-    "clamp": ("interpreter/ops/nnef_std.py:clamp computes fmin(fmax(x, a), b): clamp(NaN, 0, 1) = 0.0, but NNEF "
-              "defines clamp = max(min(x, b), a) and tract (NaN-ignoring min/max) gives 1.0; fix: "
-              "np.fmax(np.fmin(x, b), a)"),
-    "argmax": ("interpreter/ops/nnef_std.py:argmax_reduce uses np.argmax, which picks the first NaN; tract 0.23.9 "
-               "ignores NaN (argmax of [NaN, inf, ...] is 1, nnef-kv says 0); fix: np.nanargmax semantics "
-               "(all-NaN slice: tract's answer to be checked)"),
-}
+KNOWN_DEVIATIONS: dict[str, str] = {}  # op -> reason of a strict xfail (none known)
 
 
 def _graph(body: str) -> Any:
@@ -306,11 +297,6 @@ def test_refused_symbolic_shape_leaves_state_untouched() -> None:
             np.testing.assert_array_equal(a[k], b[k])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "interpreter/session.py:Session.run checks inputs up front, but a run that fails after a stateful node "
-    "(here an out-of-range gather index, well typed and shaped) keeps the KV cache's append: the next good run "
-    "differs from a fresh session's; fix: snapshot state_tensors() (or let states stage and commit) and roll "
-    "back when a step raises"))
 def test_failed_run_after_cache_update_rolls_back() -> None:
     session = DocumentModel(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()
     fresh = DocumentModel(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()

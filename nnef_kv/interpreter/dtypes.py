@@ -38,6 +38,8 @@ NNEF_TYPES: dict[str, np.dtype] = {
 
 def dtype_of(name: str, where: str = "") -> np.dtype:
     """The NumPy dtype of a datum type string (``'f32'``, ``"F16"``, ``'tdim'``, ``"QU8(Z:0,S:0.1)"``)."""
+    if not isinstance(name, str):
+        raise GraphError(f"{where}datum_type must be a string such as \"f32\", got {repr(name)[:60]}")
     key = name.strip().lower()
     if "(" in key:
         key = key.split("(", 1)[0].strip()

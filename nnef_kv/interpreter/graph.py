@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import operator
 import re
+import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import GraphError, LimitError, UnknownOpError
+from ..errors import GraphError, LimitError, NnefKvError, UnknownOpError
 from ..grammar import ast as A
-from ..limits import DEFAULT_LIMITS
+from ..limits import Limits, current_limits
 from .dtypes import NNEF_TYPES, dtype_of
 from .registry import Primitive, lookup
 
@@ -79,11 +80,18 @@ def to_py(value: Any) -> Any:
     return value
 
 
-def literal_array(value: Any) -> np.ndarray:
-    """A Python literal used where a tensor is expected: ints -> int64 (tract TDim), floats -> f32."""
+def literal_array(value: Any, where: str = "") -> np.ndarray:
+    """A Python literal used where a tensor is expected: ints -> int64 (tract TDim), floats -> f32.
+    ``where`` prefixes error messages (``file:line:col: node 'x': ``)."""
     if isinstance(value, np.ndarray):
         return value
-    arr = np.asarray(value)
+    try:
+        arr = np.asarray(value)
+    except (ValueError, TypeError, OverflowError) as exc:  # ragged nesting, mixed items, huge integers
+        raise GraphError(f"{where}cannot use the array {_short(repr(value))} as a tensor (ragged or mixed "
+                         f"items?): {_one_line(exc)}") from None
+    if arr.dtype == object:
+        raise GraphError(f"{where}cannot use the array {_short(repr(value))} as a tensor (ragged or mixed items?)")
     if arr.dtype == np.float64:
         arr = arr.astype(np.float32)
     elif arr.dtype.kind in "iu":
@@ -92,8 +100,18 @@ def literal_array(value: Any) -> np.ndarray:
         if arr.size == 0:
             arr = arr.astype(np.float32)
         else:
-            raise GraphError(f"cannot use {value!r} as a tensor")
+            raise GraphError(f"{where}cannot use {_short(repr(value))} as a tensor")
     return arr
+
+
+def _one_line(x: Any) -> str:
+    return " ".join(str(x).split())
+
+
+def _short(text: str, n: int = 120) -> str:
+    """``text`` on one line, cut to about ``n`` characters (messages quoting user values)."""
+    text = _one_line(text)
+    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------------
@@ -196,6 +214,52 @@ def expr_text(e: Any) -> str:
         return f"{e.name}(" + ", ".join(
             (f"{a.name} = " if a.name else "") + expr_text(a.value) for a in e.args) + ")"
     return type(e).__name__
+
+
+def _msg_text(e: Any) -> str:
+    """``expr_text`` for messages: also renders subscripts, slices, conditionals and comprehensions; one
+    line, cut to a readable length."""
+    def t(x: Any) -> str:
+        if x is None:
+            return ""
+        if isinstance(x, A.Subscript):
+            return f"{t(x.base)}[{t(x.index)}]"
+        if isinstance(x, A.SliceExpr):
+            return f"{t(x.base)}[{t(x.begin)}:{t(x.end)}]"
+        if isinstance(x, A.IfElseExpr):
+            return f"{t(x.then_value)} if {t(x.condition)} else {t(x.else_value)}"
+        if isinstance(x, A.Comprehension):
+            its = ", ".join(f"{t(i.target)} in {t(i.iterable)}" for i in x.iterators)
+            cond = f" if {t(x.condition)}" if x.condition is not None else ""
+            return f"[for {its}{cond} yield {t(x.body)}]"
+        if isinstance(x, A.UnaryExpr):
+            return f"{x.op}{t(x.operand)}"
+        if isinstance(x, A.BinaryExpr):
+            return f"{t(x.left)} {x.op} {t(x.right)}"
+        if isinstance(x, (A.ArrayExpr, A.TupleExpr)):
+            inner = ", ".join(t(i) for i in x.items)
+            return f"[{inner}]" if isinstance(x, A.ArrayExpr) else f"({inner})"
+        return expr_text(x)
+
+    return _short(t(e), 200)
+
+
+#: exceptions of Python's own evaluation of an attribute expression (ill-typed operands, bad indices ...),
+#: reported as GraphError naming the expression
+_EVAL_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError)
+
+#: integers wider than this are refused (tract's TDim is an i64; u64 values still fit)
+MAX_INT_BITS = 64
+
+
+class _RunBudget(threading.local):
+    """Items produced by one run-time (Lazy) attribute evaluation, per thread."""
+
+    depth = 0
+    items = 0
+
+
+_RUN_BUDGET = _RunBudget()
 
 
 def _identifiers(e: Any) -> set[str]:
@@ -320,6 +384,14 @@ class GraphBuilder:
         self.inputs: list[InputSpec] = []
         self.symbols: dict[str, int] = {}
         self.declared_symbols = {e.argument.strip() for e in document.extensions if e.name == "tract_symbol"}
+        #: the limits in force when the builder is made (session.get_plan builds under the model's limits);
+        #: run-time (Lazy) evaluations apply them too
+        self.limits: Limits = current_limits()
+        #: items produced by attribute expressions (comprehensions, ranges, list repetition/concatenation)
+        #: in the whole build, bounded in total by ``max_comprehension_items``
+        self.items_built = 0
+        #: the top-level statement being built (messages)
+        self.statement: A.Assignment | None = None
         self.quant: dict[str, tuple[str, dict[str, Any]]] = {}
         if quantization is not None:
             for entry in getattr(quantization, "entries", ()):
@@ -331,6 +403,8 @@ class GraphBuilder:
         self.tensor_names: dict[str, int] = {}
         self.submodel = submodel  # label -> Model, for tract_core_submodel
         self.slot_quant: dict[int, dict[str, Any]] = {}  # slots holding graph.quant values -> their params
+        #: the limits in force when the builder was made (session.get_plan builds under the model's limits);
+        #: run-time (Lazy) evaluations apply them too
 
     # -- slots -------------------------------------------------------------------------------
     def new_slot(self) -> int:
@@ -344,6 +418,11 @@ class GraphBuilder:
 
     def loc(self, pos: A.Pos | None) -> str:
         return f"{self.filename}:{pos.line}:{pos.column}" if pos else self.filename
+
+    def _here(self) -> str:
+        """Where the builder is: the top-level statement being built (or the file)."""
+        st = self.statement
+        return self.loc(st.pos) if st is not None else self.filename
 
     def unique(self, name: str) -> str:
         n = self.names_used.get(name, 0)
@@ -363,7 +442,9 @@ class GraphBuilder:
         ctx = _Ctx({}, "", 0)
         self.graph_inputs = set(g.inputs)
         for st in g.body:
+            self.statement = st
             self.assign(st, ctx)
+        self.statement = None
         outputs: list[tuple[str, int]] = []
         for name in g.outputs:
             if name not in ctx.scope:
@@ -444,11 +525,11 @@ class GraphBuilder:
         kept as floats snapped to that grid (dequantized), so arithmetic on them matches tract's
         requantization. Integer constants are codes: they become ``(code - zero_point) * scale``."""
         q = self.quant.get(name)
-        params = _quant_params(q) if q is not None else None
+        params = _quant_params(q, self._quant_where(name)) if q is not None else None
         if params is None or (isinstance(rhs, A.Invocation) and rhs.name == "variable"):
             return value  # variables are dequantized when read
         if not isinstance(value, (TRef, Lazy)):
-            arr = literal_array(value)
+            arr = literal_array(value, f"{self._here()}: node '{name}': ")
             if arr.dtype.kind in "iu":
                 ref = self.const(((arr.astype(np.float64) - params["zero_point"]) * params["scale"]).astype(np.float32))
                 self.slot_quant[ref.slot] = params
@@ -537,7 +618,7 @@ class GraphBuilder:
             raise GraphError(f"'{name}': a list of tensors where one tensor is expected")
         if isinstance(v, list) and any(isinstance(x, (TRef, Lazy)) for x in v):
             raise GraphError(f"'{name}': an array of tensors where one tensor is expected")
-        return self.const(literal_array(v))
+        return self.const(literal_array(v, f"{self._here()}: node '{name}': "))
 
     # -- attribute context -----------------------------------------------------------------------
     def attr(self, e: A.Expr, ctx: _Ctx) -> Any:
@@ -547,8 +628,20 @@ class GraphBuilder:
             # snapshot the names used: later assignments may shadow them (tract allows reassignment)
             snap = _Ctx({n: ctx.scope[n] for n in _identifiers(e) if n in ctx.scope}, ctx.prefix, ctx.depth)
             snap.memo = ctx.memo
-            return Lazy(lambda vals, e=e, c=snap: self._attr(e, c, vals), expr_text(e), self._reads(e, snap))
+            return Lazy(lambda vals, e=e, c=snap: self._attr_at_run(e, c, vals), expr_text(e), self._reads(e, snap))
         return v
+
+    def _attr_at_run(self, e: A.Expr, ctx: _Ctx, vals: list) -> Any:
+        """A Lazy attribute evaluated for one run: items produced are bounded per evaluation (nested Lazy
+        reads count towards the outermost one)."""
+        budget = _RUN_BUDGET
+        if budget.depth == 0:
+            budget.items = 0
+        budget.depth += 1
+        try:
+            return self._attr(e, ctx, vals)
+        finally:
+            budget.depth -= 1
 
     def _reads(self, e: A.Expr, ctx: _Ctx) -> tuple[int, ...] | None:
         """Slots an attribute expression reads at run time: tensors named in it, nested invocations
@@ -591,6 +684,59 @@ class GraphBuilder:
         return v
 
     def _attr(self, e: A.Expr, ctx: _Ctx, vals: list | None) -> Any:
+        """Evaluate an attribute expression (``vals``: the run's values, None while building; DYN when it
+        needs them). Python's own failures (``-[[1.0]]``, ``length_of(1)``, ``1.5[0:1]``) -> GraphError."""
+        try:
+            return self._attr_eval(e, ctx, vals)
+        except NnefKvError:
+            raise
+        except _EVAL_ERRORS as exc:
+            raise GraphError(f"{self.loc(getattr(e, 'pos', None))}: cannot evaluate {_msg_text(e)}: "
+                             f"{_short(f'{type(exc).__name__}: {exc}', 160)}") from None
+
+    def _spend(self, n: int, e: A.Expr, vals: list | None, what: str) -> None:
+        """Account for ``n`` items produced by ``e`` (a comprehension, a range, a list repetition or
+        concatenation): refused with LimitError if ``n`` alone, or the total of the document build (of this
+        run's evaluation, at run time), exceeds ``max_comprehension_items``."""
+        limit = self.limits.max_comprehension_items
+        where = f"{self.loc(getattr(e, 'pos', None))}: {_msg_text(e)}"
+        if n > limit:
+            raise LimitError(f"{where}: {what} of {n} items, over max_comprehension_items={limit}")
+        if vals is None:
+            self.items_built += n
+            total = self.items_built
+        else:
+            _RUN_BUDGET.items += n
+            total = _RUN_BUDGET.items
+        if total > limit:
+            raise LimitError(f"{where}: attribute expressions produce {total} items in all, over "
+                             f"max_comprehension_items={limit}")
+
+    def _binary(self, e: A.BinaryExpr, a: Any, b: Any, vals: list | None) -> Any:
+        """``a op b`` on build-time values, bounded: list/string repetition and concatenation are sized
+        before they are made, integer powers and results wider than 64 bits are refused."""
+        op = e.op
+        seq = (list, tuple, str)
+        count = (int, np.integer)
+        if op == "*" and (isinstance(a, seq) and isinstance(b, count) or isinstance(b, seq) and isinstance(a, count)):
+            items, times = (a, b) if isinstance(a, seq) else (b, a)
+            self._spend(len(items) * max(int(times), 0), e, vals, "a repetition")
+        elif op == "+" and isinstance(a, seq) and isinstance(b, seq):
+            self._spend(len(a) + len(b), e, vals, "a concatenation")
+        elif op == "^" and _is_int(a) and _is_int(b) and abs(a) > 1 and b > MAX_INT_BITS:
+            # |a| >= 2: the result needs more than b bits (checked before Python computes it, unboundedly)
+            raise GraphError(f"{self.loc(e.pos)}: {_msg_text(e)} does not fit in {MAX_INT_BITS} bits")
+        try:
+            r = _PY_BINARY[op](a, b)
+        except NnefKvError:
+            raise
+        except Exception as exc:
+            raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {_msg_text(e)}: {_short(str(exc), 160)}") from None
+        if _is_int(r) and r.bit_length() > MAX_INT_BITS:
+            raise GraphError(f"{self.loc(e.pos)}: {_msg_text(e)} does not fit in {MAX_INT_BITS} bits")
+        return r
+
+    def _attr_eval(self, e: A.Expr, ctx: _Ctx, vals: list | None) -> Any:
         if isinstance(e, (A.IntegerLiteral, A.ScalarLiteral, A.LogicalLiteral, A.StringLiteral)):
             return e.value
         if isinstance(e, A.Identifier):
@@ -618,10 +764,7 @@ class GraphBuilder:
             b = self._attr(e.right, ctx, vals)
             if a is DYN or b is DYN:
                 return DYN
-            try:
-                return _PY_BINARY[e.op](a, b)
-            except Exception as exc:
-                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {expr_text(e)}: {exc}") from None
+            return self._binary(e, a, b, vals)
         if isinstance(e, A.IfElseExpr):
             c = self._attr(e.condition, ctx, vals)
             if c is DYN:
@@ -637,13 +780,16 @@ class GraphBuilder:
             try:
                 return base[idx]
             except Exception as exc:
-                raise GraphError(f"{self.loc(e.pos)}: bad subscript {expr_text(e)}: {exc}") from None
+                raise GraphError(f"{self.loc(e.pos)}: bad subscript {_msg_text(e)}: {_short(str(exc), 160)}") from None
         if isinstance(e, A.SliceExpr):
             base = self._attr(e.base, ctx, vals)
             lo = self._attr(e.begin, ctx, vals) if e.begin is not None else None
             hi = self._attr(e.end, ctx, vals) if e.end is not None else None
             if any(x is DYN for x in (base, lo, hi)):
                 return DYN
+            if not isinstance(base, (list, tuple, str)) or not all(x is None or _is_int(x) for x in (lo, hi)):
+                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate the slice {_msg_text(e)}: an array or string "
+                                 f"sliced by integers is expected")
             return base[lo:hi]
         if isinstance(e, A.Comprehension):
             return self._comprehension(e, ctx, vals)
@@ -654,6 +800,11 @@ class GraphBuilder:
                     return DYN
                 if len(args) != 1:
                     raise GraphError(f"{self.loc(e.pos)}: {e.name} takes one argument")
+                if e.name in ("length_of", "range_of") and not isinstance(args[0], (list, tuple, str)):
+                    raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {_msg_text(e)}: {e.name} takes an array "
+                                     f"or a string, got {_short(repr(args[0]), 60)}")
+                if e.name == "range_of":
+                    self._spend(len(args[0]), e, vals, "a range")
                 return BUILTINS[e.name](args[0])
             if vals is None:
                 if id(e) not in ctx.memo:
@@ -677,10 +828,12 @@ class GraphBuilder:
         iters = [self._attr(it.iterable, ctx, vals) for it in e.iterators]
         if any(i is DYN for i in iters):
             return DYN
+        for it, seq in zip(e.iterators, iters):
+            if not isinstance(seq, (list, tuple)):
+                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {_msg_text(e)}: {_msg_text(it.iterable)} is "
+                                 f"not an array ({_short(repr(seq), 60)})")
         n = len(iters[0]) if iters else 0
-        if n > DEFAULT_LIMITS.max_comprehension_items:
-            raise LimitError(f"{self.loc(e.pos)}: a comprehension over {n} items (limit "
-                             f"{DEFAULT_LIMITS.max_comprehension_items})")
+        self._spend(n, e, vals, "a comprehension")
         if any(len(i) != n for i in iters):
             raise GraphError(f"{self.loc(e.pos)}: comprehension iterables differ in length")
         out = []
@@ -705,6 +858,9 @@ class GraphBuilder:
         if isinstance(target, A.Identifier):
             ctx.scope[target.name] = value
         elif isinstance(target, (A.TupleExpr, A.ArrayExpr)):
+            if not isinstance(value, (list, tuple)) or len(value) != len(target.items):
+                raise GraphError(f"{self.loc(getattr(target, 'pos', None))}: cannot unpack {_short(repr(value), 60)} "
+                                 f"into {_msg_text(target)}")
             for t, v in zip(target.items, value):
                 self._bind_static(t, v, ctx)
 
@@ -916,6 +1072,8 @@ class GraphBuilder:
 
         sub = GraphBuilder(self.doc, self.tensors, None, self.filename)
         sub.quant = self.quant
+        sub.limits = self.limits
+        sub.items_built = self.items_built  # one budget for the whole document build
         ctx = _Ctx({}, frag.name + ".", 1)
         params, results = param_info(frag)
         in_slots: dict[str, int] = {}
@@ -928,6 +1086,10 @@ class GraphBuilder:
         assert frag.body is not None
         for st in frag.body:
             sub.assign(st, ctx)
+        self.items_built = sub.items_built
+        for r in results:
+            if r.name not in ctx.scope:
+                raise GraphError(where + f"fragment {frag.name}: result {r.name} is never assigned")
         out_slots = {r.name: sub.as_tensor(ctx.scope[r.name], ctx, r.name).slot for r in results}
         graph = Graph(frag.name, sub.nslots, sub.constants, sub.nodes, [], list(out_slots.items()), sub.symbols,
                       self.quant, self.filename)
@@ -957,10 +1119,16 @@ class GraphBuilder:
         if bound["label"] is None or bound["input"] is None:
             raise GraphError(where + "needs an input and a label")
         label = self.attr(bound["label"], ctx)
+        if not isinstance(label, str):
+            raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
+        if not _plain_label(label):
+            # resolved as Path(source) / label: no absolute paths, no '..', no separators
+            raise GraphError(where + f"sub-model label {label!r} is not a plain file name (no '/', '\\', '..' or "
+                                     f"absolute path)")
         if self.submodel is None:
             raise GraphError(where + "sub-models can only be resolved for a model loaded from an archive")
         try:
-            sub = self.submodel(str(label))
+            sub = self.submodel(label)
         except GraphError:
             raise
         except Exception as exc:  # noqa: BLE001 - any loading failure is reported with the node
@@ -1034,9 +1202,9 @@ class GraphBuilder:
             if label_e is None:
                 raise GraphError(where + "no label")
             label = self._static_literal(label_e)
-            shape = self._static_literal(shape_e) if shape_e is not None else None
+            shape = self._shape(self._static_literal(shape_e), where) if shape_e is not None else None
             arr = self._variable(label, where)
-            qp = _quant_params(self.quant[qual]) if qual in self.quant else None
+            qp = _quant_params(self.quant[qual], self._quant_where(qual)) if qual in self.quant else None
             if qp is not None and arr.dtype.kind in "iu":  # stored codes -> real values
                 arr = ((arr.astype(np.float32) - qp["zero_point"]) * np.float32(qp["scale"])).astype(np.float32)
             if shape is not None and list(arr.shape) != list(shape):
@@ -1046,11 +1214,21 @@ class GraphBuilder:
         value_e = arg("value", 1)
         if shape_e is None or value_e is None:
             raise GraphError(where + "needs shape and value")
-        shape = self._static_literal(shape_e)
+        shape = self._shape(self._static_literal(shape_e), where)
         value = self._static_literal(value_e)
         dt = NNEF_TYPES.get(generic, NNEF_TYPES["scalar"])
-        flat = np.asarray(value, dtype=dt).reshape(-1)
-        n = int(np.prod(shape)) if shape else 1
+        n = 1
+        for d in shape:
+            n *= d
+        limit = self.limits.max_tensor_bytes
+        if n * dt.itemsize > limit:
+            raise LimitError(where + f"a constant of shape {shape} takes {n * dt.itemsize} bytes, over "
+                                     f"max_tensor_bytes={limit}")
+        try:
+            flat = np.asarray(value, dtype=dt).reshape(-1)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise GraphError(where + f"value {_short(repr(value), 60)} is not {generic} numbers: "
+                                     f"{_short(str(exc), 100)}") from None
         if flat.size == 1:
             arr = np.full(shape, flat[0], dtype=dt)
         elif flat.size == n:
@@ -1058,6 +1236,18 @@ class GraphBuilder:
         else:
             raise GraphError(where + f"{flat.size} values for shape {shape}")
         return self.const(arr)
+
+    @staticmethod
+    def _shape(value: Any, where: str) -> list[int]:
+        """A static ``shape`` attribute: a list of non-negative integers."""
+        if not isinstance(value, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in value):
+            raise GraphError(where + f"shape must be a list of non-negative integers, got {_short(repr(value), 60)}")
+        return [int(d) for d in value]
+
+    def _quant_where(self, tensor: str) -> str:
+        """Message prefix for a graph.quant entry: ``.../graph.quant: tensor 'x': ``."""
+        base = self.filename[: -len("graph.nnef")] if self.filename.endswith("graph.nnef") else ""
+        return f"{base}graph.quant: tensor '{tensor}': "
 
     def _declare_symbols(self, e: A.Expr, ctx: _Ctx) -> None:
         if isinstance(e, A.Identifier):
@@ -1069,7 +1259,9 @@ class GraphBuilder:
         elif isinstance(e, A.UnaryExpr):
             self._declare_symbols(e.operand, ctx)
 
-    def _variable(self, label: str, where: str) -> np.ndarray:
+    def _variable(self, label: Any, where: str) -> np.ndarray:
+        if not isinstance(label, str):
+            raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
         for key in (label, label.lstrip("/")):
             if key in self.tensors:
                 t = self.tensors[key]
@@ -1079,18 +1271,44 @@ class GraphBuilder:
         raise GraphError(where + f"no tensor '{label}' in the model")
 
 
-def _quant_params(q: tuple[str, dict[str, Any]]) -> dict[str, Any] | None:
-    """scale / zero point / integer range of a graph.quant entry (8-bit only, as tract)."""
+def _is_int(x: Any) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, (bool, np.bool_))
+
+
+def _plain_label(label: str) -> bool:
+    """A sub-model label usable as one file name inside the model's folder: letters, digits, ``_.-``, not
+    ``.`` and without ``..`` (so no absolute path, no separator, no way out of the folder)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9_.\-]+", label)) and label != "." and ".." not in label
+
+
+def _quant_params(q: tuple[str, dict[str, Any]], where: str = "graph.quant: ") -> dict[str, Any] | None:
+    """scale / zero point / integer range of a graph.quant entry (8-bit only, as tract). ``where`` names
+    the entry in messages (``graph.quant: tensor 'x': ``)."""
     op, args = q
-    bits = int(args.get("bits", 8))
+
+    def number(key: str, default: Any = None, integer: bool = False) -> Any:
+        v = args.get(key, default)
+        if v is None:
+            raise GraphError(where + f"{op} has no '{key}'")
+        ok = isinstance(v, (int, float, np.number)) and not isinstance(v, (bool, np.bool_)) and np.isfinite(float(v))
+        if ok and integer:
+            ok = float(v).is_integer()
+        if not ok:
+            kind = "an integer" if integer else "a finite number"
+            raise GraphError(where + f"{op}: '{key}' must be {kind}, got {_short(repr(v), 40)}")
+        return int(v) if integer else float(v)
+
+    bits = number("bits", 8, integer=True)
     if bits != 8:
         return None
     if op == "zero_point_linear_quantize":
         signed = bool(args.get("signed", False))
-        scale, zp = float(args["scale"]), int(args.get("zero_point", 0))
+        scale, zp = number("scale"), number("zero_point", 0, integer=True)
+        if scale <= 0:
+            raise GraphError(where + f"{op}: 'scale' must be > 0, got {scale}")
     elif op == "linear_quantize":
         signed = True
-        lo, hi = float(args["min"]), float(args["max"])
+        lo, hi = number("min"), number("max")
         scale = (hi - lo) / 255.0 if hi > lo else 1.0
         zp = int(round(-128 - lo / scale))
     else:

@@ -2,7 +2,8 @@
 
 ``Session(model)`` plans the model once (the plan is cached on the model object) and creates one state
 object per stateful node with ``primitive.state_factory(**attrs)``. ``run`` checks every input first, so a
-refused run leaves the state untouched. Two sessions of one model share the plan, never state.
+refused run leaves the state untouched, and a run failing later puts every state back as it was (a run is
+all-or-nothing for state). Two sessions of one model share the plan, never state.
 """
 from __future__ import annotations
 
@@ -10,7 +11,6 @@ import hashlib
 import io
 import json
 import os
-import re
 import shutil
 import tarfile
 import tempfile
@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from ..atomic import atomic_write
-from ..errors import GraphError, InputError, NnefKvError, StateError
+from ..errors import GraphError, InputError, LimitError, NnefKvError, StateError
 from ..grammar import ast as A
 from .graph import Node
 from .plan import Plan, _slots_of, _symbolic_attrs, bind_inputs, build_plan, execute
@@ -50,8 +50,11 @@ def _submodel_loader(model: Any) -> Any:
     def load_sub(label: str) -> Any:
         from .. import load
 
-        if not re.fullmatch(r"[A-Za-z0-9_.\-]+", label) or ".." in label:
-            raise GraphError(f"sub-model label {label!r} is not a plain file name")
+        from .graph import _plain_label
+
+        if not isinstance(label, str) or not _plain_label(label):  # resolved below as Path(source) / label
+            raise GraphError(f"{getattr(model, 'source', None) or '<model>'}: sub-model label {label!r} is not a "
+                             f"plain file name (no '/', '\\', '..' or absolute path)")
 
         resources: dict[str, bytes] = getattr(model, "resources", None) or {}
         source = getattr(model, "source", None)
@@ -86,13 +89,30 @@ def get_plan(model: Any) -> Plan:
     cached = getattr(model, "__dict__", {}).get("_nnef_kv_plan")
     if cached is not None and cached[0] is model.document:
         return cached[1]
-    from .graph import build_graph
+    from ..limits import current_limits, using_limits
+    from .graph import GraphBuilder, expr_text
 
     source = getattr(model, "source", None)
     filename = f"{source}/graph.nnef" if source else "graph.nnef"
-    graph = build_graph(model.document, getattr(model, "tensors", {}) or {}, getattr(model, "quantization", None),
-                        filename, _submodel_loader(model))
-    plan = build_plan(graph)
+    limits = getattr(model, "limits", None) or current_limits()
+    builder: GraphBuilder | None = None
+    try:
+        with using_limits(limits):  # the model's limits (given to load) bound the build, sub-models included
+            builder = GraphBuilder(model.document, getattr(model, "tensors", {}) or {},
+                                   getattr(model, "quantization", None), filename, _submodel_loader(model))
+            plan = build_plan(builder.build())
+    except NnefKvError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a builder bug: still an nnef-kv error naming what was built
+        st = builder.statement if builder is not None else None
+        what = ""
+        if st is not None:
+            text = f"{expr_text(st.lhs)} = {expr_text(st.rhs)}"
+            text = " ".join(text.split())
+            what = f" while building {builder.loc(st.pos)}: '{text[:120] + '...' if len(text) > 120 else text}'"
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        kind = LimitError if isinstance(exc, MemoryError) else GraphError
+        raise kind(f"{filename}: cannot build the graph{what}: {detail}") from exc
     # identity for saved state: the document (structure, literals) as well as the nodes and attributes
     plan.fingerprint = hashlib.sha256((plan.fingerprint + repr(model.document)).encode()).hexdigest()
     try:
@@ -128,6 +148,7 @@ class Session:
         self.model = model
         self.plan = get_plan(model)
         self.states: list[Any] = []
+        self._stale: str | None = None  # set when a failed run could not be rolled back (see _rollback)
         for _, node in self.plan.stateful:
             factory = node.prim.state_factory
             assert factory is not None
@@ -168,11 +189,54 @@ class Session:
             names = [w.name if isinstance(w, Node) else str(w) for w in wanted]
             slots = self._capture_slots(wanted)
             v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
-            execute(plan, v, self.states, frozenset(slots), self.threads)
+            marks = self._checkpoint() if self.states else None
+            try:
+                execute(plan, v, self.states, frozenset(slots), self.threads)
+            except BaseException as exc:
+                if marks is not None:
+                    self._rollback(marks, exc)
+                raise
             return {name: v[slot] for name, slot in plan.outputs}, {n: v[s] for n, s in zip(names, slots)}
         v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
-        execute(plan, v, self.states, threads=self.threads)
+        if not self.states:
+            execute(plan, v, self.states, threads=self.threads)
+            return {name: v[slot] for name, slot in plan.outputs}
+        marks = self._checkpoint()
+        try:
+            execute(plan, v, self.states, threads=self.threads)
+        except BaseException as exc:
+            self._rollback(marks, exc)
+            raise
         return {name: v[slot] for name, slot in plan.outputs}
+
+    # -- all-or-nothing runs -------------------------------------------------------------------
+    def _checkpoint(self) -> list[Any]:
+        """Before a run: per state, ``state.checkpoint()`` when the state offers ``checkpoint`` and
+        ``rollback`` (O(1) or O(new tokens): DynKvCache, WindowKvSdpa, scans), else None: a copy of a
+        quantized cache would cost O(cache) every run, so such states are not snapshotted and a failed
+        run marks the session stale instead (see :meth:`_rollback`)."""
+        if self._stale is not None:
+            raise StateError(self._stale)
+        return [s.checkpoint() if callable(getattr(s, "checkpoint", None)) and callable(getattr(s, "rollback", None))
+                else None for s in self.states]
+
+    def _rollback(self, marks: list[Any], cause: BaseException) -> None:
+        """A run failed: put every state that can be rolled back as :meth:`_checkpoint` found it. If some
+        state cannot be (no ``rollback``), the session refuses further runs until :meth:`reset` or
+        :meth:`load_state`, rather than continue from a state the failed run may have advanced."""
+        stale = []
+        for (_, node), s, mark in zip(self.plan.stateful, self.states, marks):
+            if mark is None:
+                stale.append(f"'{node.name}' ({node.op})")
+                continue
+            try:
+                s.rollback(mark)
+            except Exception as exc:  # noqa: BLE001 - reported with the node, the run's own error as cause
+                raise StateError(f"{node.location}: node '{node.name}' ({node.op}): the run failed ({cause}) and "
+                                 f"its state could not be restored: {exc}") from cause
+        if stale:
+            self._stale = (f"a previous run failed ({type(cause).__name__}: {cause}) after the state of "
+                           f"{', '.join(stale)} may have changed; call session.reset() or session.load_state(...)")
 
     def _capture_slots(self, wanted: list[Any]) -> list[int]:
         out = []
@@ -207,6 +271,7 @@ class Session:
         """Forget everything the stateful nodes accumulated (a new sequence)."""
         for s in self.states:
             s.reset()
+        self._stale = None
 
     # -- KV accounting -------------------------------------------------------------------------
     def kv_cache_bytes(self) -> dict[str, int]:
@@ -296,3 +361,4 @@ class Session:
                 raise
             except Exception as exc:
                 raise StateError(f"{path}: cannot restore state: {exc}") from exc
+        self._stale = None

@@ -74,7 +74,8 @@ def _unary(name: str, fn: Any, *aliases: str) -> None:
 def _round(x: np.ndarray) -> np.ndarray:
     if x.dtype.kind != "f":
         return x
-    return (np.sign(x) * np.floor(np.abs(x) + x.dtype.type(0.5))).astype(x.dtype)
+    # half away from zero, keeping the sign of -0.0 (and of values rounding to zero), as IEEE and tract
+    return np.copysign(np.floor(np.abs(x) + x.dtype.type(0.5)), x).astype(x.dtype, copy=False)
 
 
 def _sigmoid(x: np.ndarray) -> np.ndarray:
@@ -229,10 +230,11 @@ def select(condition: np.ndarray, true_value: np.ndarray, false_value: np.ndarra
 
 @primitive("fragment clamp(x: tensor<scalar>, a: tensor<scalar>, b: tensor<scalar>) -> (y: tensor<scalar>);")
 def clamp(x: np.ndarray, a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    x1, a = _align(x, a)
-    y = np.fmax(x1, a)
-    y, b = _align(y, b)
-    return np.fmin(y, b).astype(x.dtype, copy=False)
+    # NNEF: clamp = max(min(x, b), a); tract's min/max ignore NaN (clamp(NaN, 0, 1) = 1, clamp(x, 1, 0) = 1)
+    x1, b = _align(x, b)
+    y = np.fmin(x1, b)
+    y, a = _align(y, a)
+    return np.fmax(y, a).astype(x.dtype, copy=False)
 
 
 @primitive("fragment add_n(x: tensor<scalar>[]) -> (y: tensor<scalar>);")
@@ -292,8 +294,25 @@ def _arg(fn: Any) -> Any:
     return k
 
 
-primitive("fragment argmax_reduce(input: tensor<scalar>, axes: integer[]) -> (output: tensor<integer>);")(_arg(np.argmax))
-primitive("fragment argmin_reduce(input: tensor<scalar>, axes: integer[]) -> (output: tensor<integer>);")(_arg(np.argmin))
+def _nan_ignoring_arg(extreme: Any) -> Any:
+    """tract's argmax/argmin: NaN ignored, the first index on ties, 0 for an all-NaN slice (checked against
+    tract 0.23.9: argmax [NaN, inf, 1] = 1, [1, NaN, 2] = 2, [NaN, NaN] = 0; argmin [NaN, inf, 1] = 2)."""
+
+    def fn(flat: np.ndarray, axis: int) -> np.ndarray:
+        if flat.dtype.kind != "f":
+            return (np.argmax if extreme is np.fmax else np.argmin)(flat, axis=axis)
+        if flat.shape[axis] == 0:
+            return np.argmax(flat, axis=axis)  # numpy's error for an empty slice
+        m = extreme.reduce(flat, axis=axis, keepdims=True)  # NaN only when the whole slice is NaN
+        return np.argmax(flat == m, axis=axis)
+
+    return fn
+
+
+primitive("fragment argmax_reduce(input: tensor<scalar>, axes: integer[]) -> (output: tensor<integer>);")(
+    _arg(_nan_ignoring_arg(np.fmax)))
+primitive("fragment argmin_reduce(input: tensor<scalar>, axes: integer[]) -> (output: tensor<integer>);")(
+    _arg(_nan_ignoring_arg(np.fmin)))
 
 
 @primitive("fragment moments(input: tensor<scalar>, axes: integer[]) -> (mean: tensor<scalar>, variance: tensor<scalar>);")

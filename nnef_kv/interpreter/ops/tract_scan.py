@@ -155,6 +155,15 @@ class ScanLoop:
         self.hidden = None
         self.position = 0
 
+    def checkpoint(self) -> tuple[dict[str, np.ndarray] | None, int]:
+        """Token for :meth:`rollback`, O(number of state tensors): a run replaces the hidden tensors, never
+        writes into them."""
+        return (None if self.hidden is None else dict(self.hidden)), self.position
+
+    def rollback(self, token: tuple[dict[str, np.ndarray] | None, int]) -> None:
+        hidden, self.position = token
+        self.hidden = None if hidden is None else dict(hidden)
+
     def state_tensors(self) -> dict[str, np.ndarray]:
         if self.hidden is None:
             return {}

@@ -323,6 +323,15 @@ class DynKvCache:
         self.buf = None  # not reused: views handed out earlier keep their values
         self.n = 0
 
+    def checkpoint(self) -> tuple[Any, int, int]:
+        """O(1) token for :meth:`rollback` (the session takes one before each run): appends only write past
+        ``n`` (into this buffer or a grown copy of it), so the buffer and the length restore the cache."""
+        return self.buf, self.n, self._ax
+
+    def rollback(self, token: tuple[Any, int, int]) -> None:
+        """Undo every append since :meth:`checkpoint` returned ``token`` (a failed run)."""
+        self.buf, self.n, self._ax = token
+
     def state_tensors(self) -> dict[str, np.ndarray]:
         c = self.cache
         return {} if c is None else {"cache": np.ascontiguousarray(c).copy()}
@@ -481,6 +490,13 @@ class WindowKvSdpa:
 
     def reset(self) -> None:
         self.k = self.v = None
+
+    def checkpoint(self) -> tuple[Any, Any]:
+        """O(1) token for :meth:`rollback`: each run replaces the caches by new arrays, never writes into them."""
+        return self.k, self.v
+
+    def rollback(self, token: tuple[Any, Any]) -> None:
+        self.k, self.v = token
 
     def state_tensors(self) -> dict[str, np.ndarray]:
         return {} if self.k is None else {"k": self.k.copy(), "v": self.v.copy()}
