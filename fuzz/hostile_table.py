@@ -88,6 +88,10 @@ def main() -> None:
     case(rows, "cycle between two names", lambda: H.session_of(H.graph_text("  a = add(x, b);\n  b = add(a, x);\n  y = b;")))
     case(rows, "fragment calling itself", lambda: H.session_of(H.graph_text("  y = f(x);", fragments="fragment f(a: tensor<scalar>) -> (b: tensor<scalar>) { b = f(a); }")))
     case(rows, "two fragments calling each other", lambda: H.session_of(H.graph_text("  y = f(x);", fragments="fragment f(a: tensor<scalar>) -> (b: tensor<scalar>) { b = g2(a); }\nfragment g2(a: tensor<scalar>) -> (b: tensor<scalar>) { b = f(a); }")))
+    case(rows, "comprehension over `range_of([0] * 1000000000)` (10^9 items)", lambda: H.session_of(H.graph_text("  r = [for i in range_of([0] * 1000000000) yield i];\n  y = x;")), "max_comprehension_items")
+    case(rows, "nested comprehensions, 10^6 x 10^6 items", lambda: H.session_of(H.graph_text("  n = [for i in range_of([0] * 1000000) yield [for j in range_of([0] * 1000000) yield j]];\n  y = x;")), "max_comprehension_items")
+    case(rows, "`2 ^ 1000000000000` in an attribute expression", lambda: H.session_of(H.graph_text("  n = 2 ^ 1000000000000;\n  y = x;")))
+    case(rows, "`constant<scalar>(shape = [10^9, 10^9], ...)`", lambda: H.session_of(H.graph_text("  c = constant<scalar>(shape = [1000000000, 1000000000], value = [0.0]);\n  y = add(x, c);")), "max_tensor_bytes")
     print("| hostile input | error (copied from a run) | limit | seconds | peak MiB |")
     print("|---|---|---|---|---|")
     for a, b, c, sec, peak in rows:
