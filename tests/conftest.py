@@ -25,3 +25,15 @@ def shared_dir() -> Path:
     if not SHARED.is_dir():
         pytest.skip(f"shared material not found at {SHARED}")
     return SHARED
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--long", action="store_true", default=False,
+                     help="fuzz targets run the 'long' hypothesis profile (10,000 examples each instead of 2,000)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("--long"):
+        import os
+
+        os.environ["NNEF_KV_FUZZ_PROFILE"] = "long"
