@@ -116,11 +116,8 @@ def container_kind(path: str | os.PathLike) -> str:
     p = Path(path)
     if p.is_dir():
         return "dir"
-    try:
-        with open(p, "rb") as f:
-            head = f.read(2)
-    except OSError as e:
-        raise ArchiveError(f"{p}: cannot open ({e.strerror or e})") from None
+    with _open_archive(p, str(p)) as f:
+        head = f.read(2)
     return "tgz" if head == GZIP_MAGIC else "tar"
 
 
@@ -216,14 +213,18 @@ def _iter_tar(tf: tarfile.TarFile, where: str, budget: _Budget) -> Iterator[tupl
             yield ti, name
 
 
+def _open_archive(path: Path, where: str) -> BinaryIO:
+    try:
+        return open(path, "rb")
+    except OSError as e:
+        raise ArchiveError(f"{where}: cannot open ({e.strerror or e})") from None
+
+
 def _read_tar(path: Path, limits: Limits) -> list[Member]:
     where = str(path)
     budget = _Budget(limits, where)
     out: list[Member] = []
-    try:
-        f = open(path, "rb")
-    except OSError as e:
-        raise ArchiveError(f"{where}: cannot open ({e.strerror or e})") from None
+    f = _open_archive(path, where)
     with f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
@@ -265,10 +266,7 @@ def _read_tgz(path: Path, limits: Limits) -> list[Member]:
     where = str(path)
     budget = _Budget(limits, where)
     out: list[Member] = []
-    try:
-        raw = open(path, "rb")
-    except OSError as e:
-        raise ArchiveError(f"{where}: cannot open ({e.strerror or e})") from None
+    raw = _open_archive(path, where)
     with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
         stream = io.BufferedReader(_CountingReader(gz, budget), buffer_size=1 << 16)
         try:
