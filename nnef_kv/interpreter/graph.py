@@ -248,6 +248,9 @@ def _msg_text(e: Any) -> str:
 #: reported as GraphError naming the expression
 _EVAL_ERRORS = (TypeError, ValueError, AttributeError, KeyError, IndexError, ZeroDivisionError, OverflowError)
 
+#: "not computed here": a compiled attribute closure hands the expression back to the interpreter
+_MISS = object()
+
 #: integers wider than this are refused (tract's TDim is an i64; u64 values still fit)
 MAX_INT_BITS = 64
 
@@ -628,8 +631,71 @@ class GraphBuilder:
             # snapshot the names used: later assignments may shadow them (tract allows reassignment)
             snap = _Ctx({n: ctx.scope[n] for n in _identifiers(e) if n in ctx.scope}, ctx.prefix, ctx.depth)
             snap.memo = ctx.memo
-            return Lazy(lambda vals, e=e, c=snap: self._attr_at_run(e, c, vals), expr_text(e), self._reads(e, snap))
+            slow = (lambda vals, e=e, c=snap: self._attr_at_run(e, c, vals))
+            fast = self._compile_int(e, snap)
+            if fast is not None:
+                def fn(vals: list, fast: Callable = fast, slow: Callable = slow) -> Any:
+                    r = fast(vals)
+                    return slow(vals) if r is _MISS else r
+                return Lazy(fn, expr_text(e), self._reads(e, snap))
+            return Lazy(slow, expr_text(e), self._reads(e, snap))
         return v
+
+    def _compile_int(self, e: A.Expr, ctx: _Ctx) -> Callable[[list], Any] | None:
+        """A closure for the integer arithmetic attributes are mostly made of (``P + S``, ``[S - 1]``,
+        ``[1, n_heads, P, 64]``): literals, symbols, tensors and per-run values read as integers, ``+ - * /``
+        and negation, arrays of these. It returns what :meth:`_attr_at_run` returns, or ``_MISS`` when an
+        operand is not an integer or a result does not fit in 64 bits (then the interpreter evaluates the
+        expression, and reports what is wrong); None when ``e`` has another form."""
+        if isinstance(e, A.IntegerLiteral) and type(e.value) is int:
+            value = e.value
+            return lambda vals: value
+        if isinstance(e, A.Identifier):
+            if e.name in ctx.scope:
+                b = ctx.scope[e.name]
+                if type(b) is int:
+                    return lambda vals: b
+                if isinstance(b, Lazy):
+                    lazy = b.fn
+                    return lambda vals: r if type(r := lazy(vals)) is int else _MISS
+                if isinstance(b, TRef):
+                    slot = b.slot
+                    return lambda vals: r if type(r := to_py(vals[slot])) is int else _MISS
+                return None
+            if e.name in self.declared_symbols or e.name in self.symbols:
+                sym = self.symbol(e.name).fn
+                return lambda vals: r if type(r := sym(vals)) is int else _MISS
+            return None
+        if isinstance(e, A.UnaryExpr) and e.op == "-":
+            f = self._compile_int(e.operand, ctx)
+            if f is None:
+                return None
+            return lambda vals: _MISS if (r := f(vals)) is _MISS else -r
+        if isinstance(e, A.BinaryExpr) and e.op in ("+", "-", "*", "/"):
+            fa, fb = self._compile_int(e.left, ctx), self._compile_int(e.right, ctx)
+            if fa is None or fb is None:
+                return None
+            op = _PY_BINARY[e.op]
+
+            def binary(vals: list) -> Any:
+                a = fa(vals)
+                b = fb(vals)
+                if a is _MISS or b is _MISS or (b == 0 and op is _int_div):
+                    return _MISS
+                r = op(a, b)
+                return r if r.bit_length() <= MAX_INT_BITS else _MISS
+            return binary
+        if isinstance(e, A.ArrayExpr):
+            items = [self._compile_int(i, ctx) for i in e.items]
+            if any(f is None for f in items):
+                return None
+            fs = tuple(items)  # type: ignore[arg-type]
+
+            def array(vals: list) -> Any:
+                out = [f(vals) for f in fs]
+                return _MISS if _MISS in out else out
+            return array
+        return None
 
     def _attr_at_run(self, e: A.Expr, ctx: _Ctx, vals: list) -> Any:
         """A Lazy attribute evaluated for one run: items produced are bounded per evaluation (nested Lazy

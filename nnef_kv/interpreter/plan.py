@@ -17,6 +17,7 @@ per-run values and the states of stateful nodes.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from dataclasses import dataclass, field
@@ -27,6 +28,9 @@ import numpy as np
 from ..errors import GraphError, InputError, NnefKvError, NnefSyntaxError
 from .graph import Graph, InputSpec, Lazy, Node
 from .parallel import SPLITTER, split_matmul
+from .fuse import fused_node, fused_product, fusion_pairs
+from .registry import lookup
+from .specialize import specialize
 
 Step = Callable[[list, list], None]
 
@@ -47,6 +51,20 @@ class Plan:
     #: per step: ``(step, frees)``, what :func:`execute` iterates over
     program: list[tuple[Step, tuple[int, ...]]] = field(default_factory=list)
     _keeping: dict[frozenset[int], list[tuple[Step, tuple[int, ...]]]] = field(default_factory=dict, repr=False)
+    #: slots of producers fused into their reader (:mod:`.fuse`): never materialised by this plan
+    elided: frozenset[int] = frozenset()
+    _unfused: "Plan | None" = field(default=None, repr=False)
+
+    def unfused(self) -> "Plan":
+        """The same graph planned without op fusion (every slot materialised), built once: what a run
+        capturing an elided slot executes. Its stateful nodes are this plan's, in the same order."""
+        if not self.elided:
+            return self
+        if self._unfused is None:
+            p = build_plan(self.graph, fuse_ops=False)
+            p.fingerprint = self.fingerprint
+            self._unfused = p
+        return self._unfused
 
     @property
     def input_names(self) -> list[str]:
@@ -409,9 +427,11 @@ def _fuse_projections(steps: list[Step], step_nodes: list[Node],
     return new_steps, new_nodes, len(drop)
 
 
-def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool = True) -> Plan:
+def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool = True,
+               specialize_kernels: bool = True, fuse_ops: bool = True) -> Plan:
     """Compile a graph: fold constants, pre-transpose weights, fuse products of one input by several
-    constant weights, make one closure per remaining node."""
+    constant weights, specialise kernels whose attributes are static (:mod:`.specialize`), fuse
+    ``mul(rms_norm(x), w)`` and ``mul(silu(g), u)`` (:mod:`.fuse`), make one closure per remaining node."""
     base: list[Any] = [None] * graph.nslots
     for s, arr in graph.constants.items():
         base[s] = arr
@@ -419,7 +439,11 @@ def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool
     steps: list[Step] = []
     step_nodes: list[Node] = []
     stateful: list[tuple[int, Node]] = []
-    folded = 0
+    folded = specialized = 0
+    pairs = fusion_pairs(graph) if fuse_ops else {}
+    pending: dict[int, tuple[Node, Callable]] = {}  # deferred producers, by output slot
+    elided: set[int] = set()
+    mul = lookup("mul").kernel if pairs else None  # type: ignore[union-attr]
     # (step, input slot, [in, out] weight, output slot, slot of that weight in base)
     projections: list[tuple[int, int, np.ndarray, int, int]] = []
     for node in graph.nodes:
@@ -448,6 +472,19 @@ def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool
                 consts.add(o)
             folded += 1
             continue
+        if pairs and len(node.outputs) == 1 and node.outputs[0] in pairs:  # run later, fused into its reader
+            fast = specialize(prim.kernel, node.attrs) if specialize_kernels else None
+            pending[node.outputs[0]] = (node, fast or functools.partial(prim.kernel, **node.attrs))
+            continue
+        if pending and prim.kernel is mul and any(s in pending for s in node.inputs):
+            pos = 0 if node.inputs[0] in pending else 1
+            out, other = node.inputs[pos], node.inputs[1 - pos]
+            producer, first = pending.pop(out)
+            fnode = fused_node(producer, node, other)
+            steps.append(_make_step(fnode, fused_product(first, pos, mul), list(fnode.inputs), {}, None, base))
+            step_nodes.append(fnode)
+            elided.add(out)
+            continue
         rw = _rewrite_weights(node, base, consts)
         if rw is not None:
             kernel, ins, attrs = rw
@@ -456,8 +493,17 @@ def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool
                 projections.append((len(steps), ins[0], ins[1][1], node.outputs[0], len(base)))
         else:
             kernel, ins, attrs = prim.kernel, list(node.inputs), node.attrs
+            fast = specialize(kernel, attrs) if specialize_kernels and not _has_lazy(attrs) else None
+            if fast is not None:
+                kernel, attrs = fast, {}
+                while ins and ins[-1] is None:  # absent optional inputs: the specialised kernel's defaults
+                    ins.pop()
+                specialized += 1
         steps.append(_make_step(node, kernel, ins, attrs, None, base))
         step_nodes.append(node)
+    if pending:  # fusion_pairs promised a reader for each: a bug, not a model error
+        raise GraphError(f"{graph.filename}: internal error: fused producers without their reader "
+                         f"{sorted(n.name for n, _ in pending.values())}")
     if fuse_projections and projections:
         steps, step_nodes, fused = _fuse_projections(steps, step_nodes, projections, base)
     else:
@@ -473,8 +519,8 @@ def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool
         frees = [() for _ in steps]
     return Plan(graph, base, steps, step_nodes, stateful, graph.inputs, graph.outputs, fingerprint(graph),
                 {"nodes": len(graph.nodes), "folded": folded, "steps": len(steps), "liveness": int(live),
-                 "fused_projections": fused},
-                frees, list(zip(steps, frees)))
+                 "fused_projections": fused, "specialized": specialized, "fused_ops": len(elided)},
+                frees, list(zip(steps, frees)), elided=frozenset(elided))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -188,6 +188,8 @@ class Session:
             wanted = [capture] if isinstance(capture, (str, Node)) else list(capture)
             names = [w.name if isinstance(w, Node) else str(w) for w in wanted]
             slots = self._capture_slots(wanted)
+            if plan.elided.intersection(slots):  # a fused producer's value: run the unfused plan
+                plan = plan.unfused()
             v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
             marks = self._checkpoint() if self.states else None
             try:

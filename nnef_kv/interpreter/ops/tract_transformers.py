@@ -242,6 +242,7 @@ class DynKvCache:
         self.buf: np.ndarray | None = None  # capacity along the axis >= self.n; entries [0, n) are the cache
         self.n = 0
         self._ax = 0
+        self._symbols = [(i, d) for i, d in enumerate(self.past_sequence_shape) if isinstance(d, str)]
 
     def __call__(self, input: np.ndarray) -> np.ndarray:  # noqa: A002 - NNEF parameter name
         """Append ``input`` along the axis; returns the whole cache as a read-only view of the buffer.
@@ -258,7 +259,8 @@ class DynKvCache:
             assert buf is not None
         else:
             ax = self._ax
-            if buf.ndim != x.ndim or any(a != b for i, (a, b) in enumerate(zip(buf.shape, x.shape)) if i != ax):
+            bs, xs = buf.shape, x.shape
+            if len(bs) != len(xs) or bs[:ax] != xs[:ax] or bs[ax + 1:] != xs[ax + 1:]:
                 shape = list(buf.shape)
                 shape[ax] = self.n
                 raise GraphError(
@@ -310,14 +312,11 @@ class DynKvCache:
 
     def symbol_bindings(self) -> dict[str, int]:
         """Symbols of ``past_sequence_shape`` given as names (str), bound to the cache's current dims."""
-        out: dict[str, int] = {}
-        for i, dim in enumerate(self.past_sequence_shape):
-            if isinstance(dim, str):
-                if self.buf is None:
-                    out[dim] = 0
-                else:
-                    out[dim] = self.n if i == self._ax else int(self.buf.shape[i])
-        return out
+        buf = self.buf
+        if buf is None:
+            return {dim: 0 for _, dim in self._symbols}
+        ax = self._ax
+        return {dim: self.n if i == ax else int(buf.shape[i]) for i, dim in self._symbols}
 
     def reset(self) -> None:
         self.buf = None  # not reused: views handed out earlier keep their values
