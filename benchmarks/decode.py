@@ -10,8 +10,14 @@ decode phase for nnef-kv (1 and 2 BLAS threads, via threadpoolctl; and ``nnef-kv
 the session splitting its large products across two threads itself, ``Session(model, threads=2)``) and
 tract (single-threaded, its default), the ratios, and whether both produced the same tokens. On a shared machine: the engines are
 interleaved, each figure is the best of ``--repeat`` runs, and CPU-time ratios are printed beside the
-wall-time ones (CPU time is far less sensitive to other processes than the wall clock); the load average
-before and after is printed too.
+wall-time ones; the load average before and after is printed too.
+
+Best-of-N figures of separate runs reward whichever engine happened to run in a quiet moment (on the
+2-core VM this was written on, the same engine's decode time varies by up to 1.6x from one minute to the
+next: other tenants share the memory bandwidth the weight products live on). The ``lockstep`` figures are
+the paired measurement: nnef-kv and tract decode side by side in one process, one token each in turn
+(order alternating), so every nnef-kv token is compared with a tract token taken a few milliseconds
+apart; ``--lockstep N`` sequences, BLAS on one then two threads.
 
     python benchmarks/decode.py                  # 4 layers, hidden 512, 8 heads, 8 kv heads, vocab 8192,
                                                  # then the GQA variant (2 kv heads)
@@ -203,6 +209,163 @@ def decode_tract(folder: Path, prompt: np.ndarray, steps: int) -> Result:
                          lambda t: state.run([np.array([[t]], np.int64)])[0].to_numpy(), steps)
 
 
+class _Engine:
+    """One engine's session for a lockstep run: ``first()`` runs the prompt, ``step()`` one decode call."""
+
+    def __init__(self, name: str, first: Any, step: Any) -> None:
+        self.name, self._first, self._step = name, first, step
+        self.tokens: list[int] = []
+        self.times: list[float] = []
+
+    def first(self) -> None:
+        self.tokens = [int(np.argmax(self._first()[0, -1]))]
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        logits = self._step(self.tokens[-1])
+        self.times.append(time.perf_counter() - t)
+        self.tokens.append(int(np.argmax(logits[0, -1])))
+
+
+def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, rounds: int) -> dict[str, Any]:
+    """nnef-kv (BLAS on ``blas_threads``) and tract decoding side by side, one token each in turn (the
+    order alternates), so both see the same moments of a shared machine: a paired measurement. Returns
+    per engine its total decode time over ``rounds`` sequences, and the per-token time ratios."""
+    import tract
+    from threadpoolctl import threadpool_limits
+
+    import nnef_kv
+    from nnef_kv.interpreter.session import Session
+
+    totals = {"nnef-kv": 0.0, "tract": 0.0}
+    ratios: list[float] = []
+    same = True
+    with threadpool_limits(limits=blas_threads, user_api="blas"):
+        for _ in range(rounds):
+            session = Session(nnef_kv.load(folder))
+            state = tract.nnef().with_tract_transformers().load(str(folder)).into_runnable().spawn_state()
+            ours = _Engine("nnef-kv", lambda: session.run({"input_ids": prompt[None]})["logits"],
+                           lambda t: session.run({"input_ids": np.array([[t]], np.int64)})["logits"])
+            theirs = _Engine("tract", lambda: state.run([prompt[None]])[0].to_numpy(),
+                             lambda t: state.run([np.array([[t]], np.int64)])[0].to_numpy())
+            ours.first()
+            theirs.first()
+            for i in range(steps - 1):
+                for e in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
+                    e.step()
+            totals["nnef-kv"] += sum(ours.times)
+            totals["tract"] += sum(theirs.times)
+            ratios += [b / a for a, b in zip(ours.times, theirs.times)]
+            same = same and ours.tokens == theirs.tokens
+    return {"totals": totals, "ratios": ratios, "same": same, "tokens": rounds * (steps - 1)}
+
+
+def _session(folder: Path, plain: bool = False) -> Any:
+    """An nnef-kv session; ``plain``: its plan built without op fusion and kernel specialisation."""
+    import nnef_kv
+    from nnef_kv.interpreter.plan import build_plan
+    from nnef_kv.interpreter.session import Session, get_plan
+
+    model = nnef_kv.load(folder)
+    if plain:
+        plan = build_plan(get_plan(nnef_kv.load(folder)).graph, fuse_ops=False, specialize_kernels=False)
+        object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
+    return Session(model)
+
+
+def profile(c: Config, args: argparse.Namespace) -> None:
+    """Where a decode step's time goes: every plan step timed as it runs (BLAS on one thread), summed by
+    op over the decode, and the same steps replayed 200 times each on the last token's values (warm
+    caches). The timers add about 0.3 us a step."""
+    import collections
+
+    from threadpoolctl import threadpool_limits
+
+    from nnef_kv.interpreter.plan import bind_inputs
+
+    rng = np.random.default_rng(42)
+    prompt = rng.integers(0, c.vocab, args.prompt).astype(np.int64)
+    with tempfile.TemporaryDirectory(prefix="nnef-kv-bench-") as tmp, threadpool_limits(limits=1, user_api="blas"):
+        folder = write_archive(c, Path(tmp) / "decoder")
+        session = _session(folder, plain=args.plain)
+        plan = session.plan
+        spent: dict[str, float] = collections.defaultdict(float)
+        calls: collections.Counter[str] = collections.Counter()
+        program = plan.program
+
+        def timed(st: Any, op: str) -> Any:
+            def step(v: list, states: list) -> None:
+                t = time.perf_counter()
+                st(v, states)
+                spent[op] += time.perf_counter() - t
+                calls[op] += 1
+            return step
+
+        plan.program = [(timed(st, node.op), dead) for (st, dead), node in zip(program, plan.step_nodes)]
+        try:
+            tok = int(np.argmax(session.run({"input_ids": prompt[None]})["logits"][0, -1]))
+            spent.clear()
+            calls.clear()
+            n = args.steps - 1
+            t0 = time.perf_counter()
+            for _ in range(n):
+                tok = int(np.argmax(session.run({"input_ids": np.array([[tok]], np.int64)})["logits"][0, -1]))
+            total = (time.perf_counter() - t0) / n
+        finally:
+            plan.program = program
+        v = bind_inputs(plan, {"input_ids": np.array([[tok]], np.int64)}, session._state_symbols())
+        warm: dict[str, float] = collections.defaultdict(float)
+        for (st, _), node in zip(program, plan.step_nodes):
+            if node.prim.stateful:  # appends to a cache: run once, not timed
+                st(v, session.states)
+                continue
+            t = time.perf_counter()
+            for _ in range(200):
+                st(v, session.states)
+            warm[node.op] += (time.perf_counter() - t) / 200
+    print(f"\n== profile ({'plain plan' if args.plain else 'planned'}): {c.layers} layers, hidden {c.hidden}, "
+          f"{c.heads} heads, {c.kv_heads} kv heads; {len(program)} steps; {plan.info}")
+    print(f"{'op':34s} {'in run ms/token':>16s} {'calls':>6s} {'us/call':>8s} {'warm us/call':>13s}")
+    for op, t in sorted(spent.items(), key=lambda kv: -kv[1]):
+        k = calls[op] // n
+        print(f"{op:34s} {t / n * 1e3:16.3f} {k:6d} {t / calls[op] * 1e6:8.1f} "
+              f"{warm.get(op, 0.0) / max(k, 1) * 1e6 if op in warm else float('nan'):13.1f}")
+    inside = sum(spent.values()) / n
+    print(f"per token {total * 1e3:.3f} ms: steps {inside * 1e3:.3f} ms, outside the steps (session.run, argmax, "
+          f"timers) {(total - inside) * 1e3:.3f} ms")
+
+
+def plan_pair(c: Config, args: argparse.Namespace) -> None:
+    """The planner's own gain, paired: the planned session and a plain one (no op fusion, no kernel
+    specialisation; same constant folding, weight layout and projection fusion) decoding side by side."""
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(42)
+    prompt = rng.integers(0, c.vocab, args.prompt).astype(np.int64)
+    totals = {"planned": 0.0, "plain": 0.0}
+    with tempfile.TemporaryDirectory(prefix="nnef-kv-bench-") as tmp, threadpool_limits(limits=1, user_api="blas"):
+        folder = write_archive(c, Path(tmp) / "decoder")
+        for _ in range(max(args.lockstep, 1)):
+            engines = []
+            for plain in (False, True):
+                s = _session(folder, plain=plain)
+                engines.append(_Engine("plain" if plain else "planned",
+                                       lambda s=s: s.run({"input_ids": prompt[None]})["logits"],
+                                       lambda t, s=s: s.run({"input_ids": np.array([[t]], np.int64)})["logits"]))
+            for e in engines:
+                e.first()
+            for i in range(args.steps - 1):
+                for e in (engines if i % 2 == 0 else engines[::-1]):
+                    e.step()
+            for e in engines:
+                totals[e.name] += sum(e.times)
+            assert engines[0].tokens == engines[1].tokens, "planned and plain plans decoded different tokens"
+    print(f"\n== planner gain, paired: {c.layers} layers, {c.kv_heads} kv heads: plain plan "
+          f"{totals['plain'] / (max(args.lockstep, 1) * (args.steps - 1)) * 1e3:.3f} ms/token, planned "
+          f"{totals['planned'] / (max(args.lockstep, 1) * (args.steps - 1)) * 1e3:.3f} ms/token: "
+          f"{totals['plain'] / totals['planned']:.3f}x (same tokens)")
+
+
 def _loadavg() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -257,6 +420,13 @@ def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
                 for key in ("prefill", "wall", "thread_cpu", "process_cpu", "median_token"):
                     b[key] = min(b.get(key, float("inf")), getattr(r, key))
                 tokens.setdefault(name, r.tokens)
+        locked: dict[int, Any] = {}
+        for blas in ((1, 2) if tract_ok and args.lockstep else ()):
+            try:
+                locked[blas] = lockstep(folder, prompt, args.steps, blas, args.lockstep)
+            except Exception as exc:  # noqa: BLE001 - tract 0.23.9 fails some GQA decode paths
+                print(f"lockstep: tract failed: {str(exc).splitlines()[0]}")
+                break
     print(f"load average after:  {_loadavg()}")
     n = args.steps - 1
     rates = {}
@@ -278,6 +448,17 @@ def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
               "BLAS workers included, each figure the best of the runs)")
         same = sum(a == b for a, b in zip(tokens["nnef-kv/1"], tokens["tract"]))
         print(f"greedy tokens identical to tract: {same}/{len(tokens['tract'])}")
+    if locked:
+        print(f"lockstep (paired): nnef-kv and tract decode side by side, one token each in turn, "
+              f"{args.lockstep} sequences of {args.steps} tokens")
+        for blas, r in locked.items():
+            t, n = r["totals"], r["tokens"]
+            ratio = t["tract"] / t["nnef-kv"]
+            faster = sum(x > 1 for x in r["ratios"])
+            print(f"  BLAS on {blas}: nnef-kv {n / t['nnef-kv']:7.1f} tokens/s, tract {n / t['tract']:7.1f} tokens/s, "
+                  f"ratio {ratio:.2f}x (median per-token ratio {float(np.median(r['ratios'])):.2f}x; "
+                  f"nnef-kv faster on {faster}/{len(r['ratios'])} tokens); same tokens: {r['same']}")
+            rates[f"lockstep/{blas}"] = ratio
     return rates
 
 
@@ -296,7 +477,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--settle", type=float, default=0.3,
                     help="seconds of rest before each run (OpenBLAS workers spin ~0.1 s after their last job)")
     ap.add_argument("--no-tract", action="store_true")
+    ap.add_argument("--lockstep", type=int, default=3,
+                    help="sequences decoded by nnef-kv and tract side by side, token by token (0: skip)")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
+    ap.add_argument("--profile", action="store_true",
+                    help="only print where nnef-kv's decode time goes, op by op (default config, BLAS on 1 thread)")
+    ap.add_argument("--plain", action="store_true", help="with --profile: the plan without fusion/specialisation")
+    ap.add_argument("--plan-gain", action="store_true",
+                    help="only measure the planner's gain: planned vs plain plan decoding side by side")
     args = ap.parse_args(argv)
     if args.quick:
         args.layers, args.hidden, args.heads, args.ffn, args.vocab = 2, 64, 4, 128, 256
@@ -313,7 +501,11 @@ def main(argv: list[str] | None = None) -> int:
     if forced:
         print(f"note: {forced} is set: OpenBLAS runs that kernel (slower on a recent CPU); for the benchmark "
               f"command only: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/decode.py")
-    bench(Config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab), args)
+    config = Config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab)
+    if args.profile or args.plan_gain:
+        (profile if args.profile else plan_pair)(config, args)
+        return 0
+    bench(config, args)
     if args.gqa_kv_heads and args.gqa_kv_heads != args.kv_heads:
         bench(Config(args.layers, args.hidden, args.heads, args.gqa_kv_heads, args.ffn, args.vocab), args)
     return 0

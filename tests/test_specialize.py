@@ -296,3 +296,33 @@ graph g(x, f) -> (t)
 def test_compiled_attributes_agree_on_the_symbol_example(monkeypatch: pytest.MonkeyPatch) -> None:
     for seq in (1, 3, 8):
         run_both(monkeypatch, ATTRS, {"x": arrays(np.float32, (1, seq, 4), seq), "n": np.asarray(4, np.int64)})
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_decoder_decodes_bit_identically_with_and_without_the_plan_speedups(tmp_path: Any, kv_heads: int) -> None:
+    """The benchmark's LLaMA-style decoder (dyn_kv_cache + sdpa, rope, rms_norm, SwiGLU): prefill then 12
+    decode steps, the optimised plan against one built with no fusion and no specialisation."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_decode_plan", REPO / "benchmarks" / "decode.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    cfg = mod.Config(layers=2, hidden=64, heads=4, kv_heads=kv_heads, ffn=96, vocab=64)
+    folder = mod.write_archive(cfg, tmp_path / "dec")
+    fast_model, plain_model = nnef_kv.load(folder), nnef_kv.load(folder)
+    fast = get_plan(fast_model)
+    plain = build_plan(fast.graph, fuse_ops=False, specialize_kernels=False)
+    object.__setattr__(plain_model, "_nnef_kv_plan", (plain_model.document, plain))
+    assert fast.info["fused_ops"] == 3 * cfg.layers + 1  # 2 rms_norm + 1 silu a layer, the final norm
+    assert fast.info["specialized"] > 0 and plain.info["specialized"] == 0
+    a, b = fast_model.session(), plain_model.session()
+    tokens = np.array([[3, 1, 4, 1, 5, 9, 2, 6]], np.int64)
+    for step in range(13):
+        la, lb = a.run({"input_ids": tokens})["logits"], b.run({"input_ids": tokens})["logits"]
+        np.testing.assert_array_equal(la, lb)
+        tokens = np.array([[int(np.argmax(la[0, -1]))]], np.int64)

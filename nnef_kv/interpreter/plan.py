@@ -7,8 +7,14 @@ What happens here, once:
   pre-transposed to a contiguous ``[in, out]`` array, so the run does a plain ``x @ Wt``;
 * projection fusion: several such products of one input (q/k/v, gate/up) become one product by the weights
   side by side (``Plan.info["fused_projections"]`` counts the products absorbed);
+* specialisation: a kernel whose attributes are all static (reshape, transpose, unsqueeze, rms_norm, silu,
+  apply_rope, sdpa) is replaced by a closure with that attribute work done once (:mod:`.specialize`);
+* op fusion: ``mul(rms_norm(x), w)`` and ``mul(silu(g), u)`` become one step multiplying the fresh
+  producer result in place (:mod:`.fuse`; ``Plan.elided`` lists the values no longer materialised, and a
+  run capturing one of them runs :meth:`Plan.unfused`);
 * dispatch: every node becomes one closure ``step(values, states)`` with its argument slots and static
-  attributes already resolved; attributes that need run-time values are evaluated inside the step;
+  attributes already resolved; attributes that need run-time values are evaluated inside the step
+  (integer arithmetic on symbols such as ``P + S`` through a compiled closure, see ``graph.py``);
 * liveness: after each step, the slots whose last reader it was are dropped from the run's value list
   (``Plan.frees``), so a run holds only the values still needed, not one per node.
 

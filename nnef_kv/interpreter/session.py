@@ -158,6 +158,9 @@ class Session:
                 raise
             except Exception as exc:
                 raise GraphError(f"{node.location}: cannot create the state of {node.op} '{node.name}': {exc}") from exc
+        #: per state, its bound ``checkpoint`` method if it offers ``checkpoint`` and ``rollback``, else None
+        self._marks = [s.checkpoint if callable(getattr(s, "checkpoint", None)) and callable(getattr(s, "rollback", None))
+                       else None for s in self.states]
         if state is not None:
             self.load_state(state)
 
@@ -219,8 +222,7 @@ class Session:
         run marks the session stale instead (see :meth:`_rollback`)."""
         if self._stale is not None:
             raise StateError(self._stale)
-        return [s.checkpoint() if callable(getattr(s, "checkpoint", None)) and callable(getattr(s, "rollback", None))
-                else None for s in self.states]
+        return [None if mark is None else mark() for mark in self._marks]
 
     def _rollback(self, marks: list[Any], cause: BaseException) -> None:
         """A run failed: put every state that can be rolled back as :meth:`_checkpoint` found it. If some

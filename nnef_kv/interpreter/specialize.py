@@ -9,6 +9,7 @@ each one against its generic kernel.
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Callable
 
 import numpy as np
@@ -106,10 +107,25 @@ def _sdpa(attrs: dict[str, Any]) -> Kernel | None:
     except Exception:  # noqa: BLE001 - the generic kernel reports it, at run time, with the node
         return None
     causal, sdpa_array = bool(attrs.get("is_causal", False)), T.sdpa_array
+    f32_acc = acc != np.float64
 
     def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Any = None) -> np.ndarray:
         if mask is not None and np.ndim(mask) == 0 and np.asarray(mask).dtype == np.bool_ and not bool(mask):
             mask = None
+        if (mask is None and f32_acc and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
+                and q.ndim == 4 and q.shape[2] == 1 and k.ndim == 4 and v.ndim == 4
+                and q.dtype == _F32 and k.dtype == _F32 and v.dtype == _F32):
+            # one query row (a decode step): it sees every key, causal or not; sdpa_array's arithmetic
+            b, hq, _, d = q.shape
+            bk, hkv, skv, dk = k.shape
+            if (bk == b and dk == d and v.shape[0] == b and v.shape[1] == hkv and v.shape[2] == skv and hkv
+                    and hq % hkv == 0 and skv):
+                scores = np.matmul(q.reshape(b, hkv, hq // hkv, d), k.swapaxes(-1, -2))
+                scores *= _F32.type(1.0 / math.sqrt(d) if sc is None else sc)
+                scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+                np.exp(scores, out=scores)
+                scores /= np.add.reduce(scores, axis=-1, keepdims=True)
+                return np.matmul(scores, v).reshape(b, hq, 1, v.shape[-1])
         return sdpa_array(q, k, v, mask, scale=sc, is_causal=causal, acc_dtype=acc)
     return sdpa
 
