@@ -217,9 +217,9 @@ class Session:
     # -- all-or-nothing runs -------------------------------------------------------------------
     def _checkpoint(self) -> list[Any]:
         """Before a run: per state, ``state.checkpoint()`` when the state offers ``checkpoint`` and
-        ``rollback`` (O(1) or O(new tokens): DynKvCache, WindowKvSdpa, scans), else None: a copy of a
-        quantized cache would cost O(cache) every run, so such states are not snapshotted and a failed
-        run marks the session stale instead (see :meth:`_rollback`)."""
+        ``rollback`` (O(1): DynKvCache, WindowKvSdpa, scans, the quantized KV caches), else None: a state
+        without them is not snapshotted (a copy could cost O(cache) every run) and a failed run marks the
+        session stale instead (see :meth:`_rollback`)."""
         if self._stale is not None:
             raise StateError(self._stale)
         return [None if mark is None else mark() for mark in self._marks]

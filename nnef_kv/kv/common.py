@@ -64,6 +64,11 @@ class GrowBuffer:
     The new capacity is ``max(needed rounded up to min_chunk, ceil(capacity * growth))``: with
     ``growth > 1`` appends are amortised O(1) and unused capacity is at most a ``growth - 1`` fraction;
     with ``growth = 1`` the buffer grows by whole chunks (pages) and wastes less than one chunk.
+
+    No operation writes below ``len`` in the array it holds: appends write past it (or into a new,
+    larger array), ``drop_front`` and ``set_exact`` move to a new array. So :meth:`mark` (the array and
+    the length, O(1)) and :meth:`restore` undo any sequence of operations: the O(1) checkpoint of the
+    quantized KV caches.
     """
 
     def __init__(self, lead: tuple[int, ...], tail: tuple[int, ...], dtype: np.dtype | type,
@@ -107,12 +112,21 @@ class GrowBuffer:
         return self.data[self._sl(a, b)]
 
     def drop_front(self, k: int) -> None:
-        """Remove the first ``k`` items (shifts in place; capacity unchanged)."""
+        """Remove the first ``k`` items (into a new array of the same capacity: a mark stays valid)."""
         if k == 0:
             return
         rest = self.len - k
-        self.data[self._sl(0, rest)] = self.data[self._sl(k, self.len)].copy()
+        new = np.zeros_like(self.data)
+        new[self._sl(0, rest)] = self.data[self._sl(k, self.len)]
+        self.data = new
         self.len = rest
+
+    def mark(self) -> tuple[np.ndarray, int]:
+        """O(1): what :meth:`restore` needs to put the buffer back as it is now."""
+        return self.data, self.len
+
+    def restore(self, mark: tuple[np.ndarray, int]) -> None:
+        self.data, self.len = mark
 
     @property
     def nbytes(self) -> int:

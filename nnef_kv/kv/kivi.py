@@ -39,6 +39,7 @@ f16 params are widened with :func:`~nnef_kv.kv.common.f16_to_f32` (exact, ~4x Nu
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import Any
 
 import numpy as np
 
@@ -639,6 +640,28 @@ class KiviSdpa:
         return out.reshape(b, hq, sq, d).astype(out_dtype)
 
     # ================================================================================ protocol
+    def _buffers(self) -> list[GrowBuffer]:
+        bufs = [self.sink_k, self.sink_v, self.res_k, self.res_v, self.k_codes, self.v_codes,
+                self.k_min, self.k_step, self.v_min, self.v_step]
+        for t in (self.k_out, self.v_out):
+            bufs += [t.head, t.pos, t.chan, t.val]
+        return bufs
+
+    def checkpoint(self) -> Any:
+        """O(1) token for :meth:`rollback` (the session takes one before each run; see GrowBuffer.mark)."""
+        if not self._ready:
+            return None
+        return self.len, [(b, b.mark()) for b in self._buffers()]
+
+    def rollback(self, token: Any) -> None:
+        """Undo every token ingested since :meth:`checkpoint` returned ``token`` (a failed run)."""
+        if token is None:
+            self.reset()
+            return
+        self.len, marks = token
+        for buf, m in marks:
+            buf.restore(m)
+
     def state_tensors(self) -> dict[str, np.ndarray]:
         cfg = self.cfg.as_array()
         if not self._ready:

@@ -13,6 +13,8 @@ the input's dtype. Per (batch, head):
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
@@ -174,6 +176,22 @@ class TractQuantizedDynKvCache:
         return self.dequantized().astype(out_dtype)
 
     # ----------------------------------------------------------------------------- protocol
+    def checkpoint(self) -> Any:
+        """O(1) token for :meth:`rollback` (see GrowBuffer.mark)."""
+        if not self.initialized:
+            return None
+        bufs = [self.sink, self.packed, self.params] + ([self.residual] if self.residual is not None else [])
+        return self.len, [(b, b.mark()) for b in bufs]
+
+    def rollback(self, token: Any) -> None:
+        """Undo every token appended since :meth:`checkpoint` returned ``token`` (a failed run)."""
+        if token is None:
+            self.reset()
+            return
+        self.len, marks = token
+        for buf, m in marks:
+            buf.restore(m)
+
     def state_tensors(self) -> dict[str, np.ndarray]:
         if not self.initialized:
             return {"shape": np.zeros(4, np.int64)}

@@ -16,6 +16,8 @@ The class is usable without a graph: ``state = TractQuantizedKvSdpa(scale=0.125)
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..errors import InputError, StateError
@@ -145,6 +147,23 @@ class TractQuantizedKvSdpa:
         return out.astype(out_dtype)
 
     # ----------------------------------------------------------------------------- protocol
+    def checkpoint(self) -> Any:
+        """O(1) token for :meth:`rollback`: the buffers' marks and the running key range (pushes replace
+        ``ch_lo`` / ``ch_step`` by new arrays, never write into them)."""
+        if not self.initialized:
+            return None
+        return (self.len, self.ch_lo, self.ch_step,
+                [(b, b.mark()) for b in (self.k_codes, self.v_codes, self.v_params)])
+
+    def rollback(self, token: Any) -> None:
+        """Undo every token pushed since :meth:`checkpoint` returned ``token`` (a failed run)."""
+        if token is None:
+            self.reset()
+            return
+        self.len, self.ch_lo, self.ch_step, marks = token
+        for buf, m in marks:
+            buf.restore(m)
+
     def state_tensors(self) -> dict[str, np.ndarray]:
         if not self.initialized:
             return {"shape": np.zeros(4, np.int64)}
