@@ -496,7 +496,7 @@ def test_failed_run_after_a_state_without_rollback_makes_the_session_refuse_unti
     from nnef_kv.interpreter.session import DocumentModel
     from nnef_kv.kv.kivi import KiviSdpa
 
-    monkeypatch.delattr(KiviSdpa, "checkpoint")
+    monkeypatch.setattr(KiviSdpa, "checkpoint", None)
     model = DocumentModel(nnef_kv.parse(KIVI_FAILING_GRAPH, filename="kivi.nnef"))
     rng = np.random.default_rng(0)
     qs = [rng.standard_normal((1, 2, 1, 8)).astype(np.float32) for _ in range(6)]

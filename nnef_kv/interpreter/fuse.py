@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .graph import Graph, Lazy, Node
+from .graph import Graph, Lazy, Node, slots_of
 from .ops import tract_core as C
 
 Kernel = Callable[..., Any]
@@ -31,16 +31,6 @@ def _mul_kernel() -> Kernel:
     return prim.kernel
 
 
-def _slots(spec: Any) -> list[int]:
-    if spec is None:
-        return []
-    if isinstance(spec, int):
-        return [spec]
-    if isinstance(spec, tuple):
-        return [spec[1]]
-    return list(spec)
-
-
 def fusion_pairs(graph: Graph) -> dict[int, int]:
     """``{producer output slot: index in graph.nodes of its only reader}`` for each producer (rms_norm,
     silu: static attributes, one output) read by exactly one two-input ``mul`` and by nothing else (no
@@ -49,7 +39,7 @@ def fusion_pairs(graph: Graph) -> dict[int, int]:
     readers: dict[int, list[int]] = {}
     for k, node in enumerate(graph.nodes):
         for spec in node.inputs:
-            for s in _slots(spec):
+            for s in slots_of(spec):
                 readers.setdefault(s, []).append(k)
         for a in node.attrs.values():
             if isinstance(a, Lazy):

@@ -136,6 +136,17 @@ class Node:
         return self.prim.stateful
 
 
+def slots_of(spec: Any) -> list[int]:
+    """The slots of one item of ``Node.inputs`` / ``Node.outputs`` (int, ``(kind, slot)``, list, None)."""
+    if spec is None:
+        return []
+    if isinstance(spec, int):
+        return [spec]
+    if isinstance(spec, tuple):
+        return [spec[1]]
+    return list(spec)
+
+
 @dataclass
 class InputSpec:
     """A graph input: shape items are int, a symbol name (str) or a Lazy expression."""

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..errors import GraphError, InputError, NnefKvError, NnefSyntaxError
 from .graph import Graph, InputSpec, Lazy, Node
+from .graph import slots_of as _slots_of
 from .parallel import SPLITTER, split_matmul
 from .fuse import fused_node, fused_product, fusion_pairs
 from .registry import lookup
@@ -107,16 +108,6 @@ class Plan:
 
 def _has_lazy(attrs: dict[str, Any]) -> bool:
     return any(isinstance(v, Lazy) for v in attrs.values())
-
-
-def _slots_of(spec: Any) -> list[int]:
-    if spec is None:
-        return []
-    if isinstance(spec, int):
-        return [spec]
-    if isinstance(spec, tuple):
-        return [spec[1]]
-    return list(spec)
 
 
 def _fetch(spec: Any, v: list) -> Any:

@@ -1,6 +1,8 @@
 """Small shared pieces of the KV caches: rounding, growable buffers, state validation."""
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ..errors import InputError, StateError
@@ -137,6 +139,35 @@ class GrowBuffer:
         arr = np.ascontiguousarray(arr, dtype=self.dtype)
         self.data = arr.copy()
         self.len = arr.shape[self.axis]
+
+
+class BufferCheckpoint:
+    """O(1) ``checkpoint()`` / ``rollback()`` for a KV state whose tensors live in :class:`GrowBuffer` s
+    (listed by ``_buffers()``, empty while the state holds nothing) and in the attributes named by
+    ``_CHECKPOINT_ATTRS`` (replaced by new objects, never written into). The session takes a checkpoint
+    before each run and rolls back when the run fails; rolling back to an empty state is ``reset()``."""
+
+    _CHECKPOINT_ATTRS: tuple[str, ...] = ("len",)
+
+    def _buffers(self) -> list[GrowBuffer]:
+        raise NotImplementedError
+
+    def checkpoint(self) -> Any:
+        bufs = self._buffers()
+        if not bufs:
+            return None
+        return tuple(getattr(self, a) for a in self._CHECKPOINT_ATTRS), [(b, b.mark()) for b in bufs]
+
+    def rollback(self, token: Any) -> None:
+        """Undo every token taken since :meth:`checkpoint` returned ``token``."""
+        if token is None:
+            self.reset()  # type: ignore[attr-defined]
+            return
+        values, marks = token
+        for name, value in zip(self._CHECKPOINT_ATTRS, values):
+            setattr(self, name, value)
+        for buf, m in marks:
+            buf.restore(m)
 
 
 def expect_state(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...] | None,

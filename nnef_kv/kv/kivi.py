@@ -39,12 +39,11 @@ f16 params are widened with :func:`~nnef_kv.kv.common.f16_to_f32` (exact, ~4x Nu
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
 
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
-from .common import GrowBuffer, check_qkv, expect_state, f16_to_f32
+from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, f16_to_f32
 from .packing import GroupCodec
 
 __all__ = ["KiviConfig", "KiviSdpa", "hadamard"]
@@ -160,7 +159,7 @@ class _Outliers:
         self.val.set_exact(v)
 
 
-class KiviSdpa:
+class KiviSdpa(BufferCheckpoint):
     """State of one ``nnef_kv_kivi_sdpa`` node: a quantized KV cache and attention over it."""
 
     WHO = "nnef_kv_kivi_sdpa"
@@ -641,26 +640,13 @@ class KiviSdpa:
 
     # ================================================================================ protocol
     def _buffers(self) -> list[GrowBuffer]:
+        if not self._ready:
+            return []
         bufs = [self.sink_k, self.sink_v, self.res_k, self.res_v, self.k_codes, self.v_codes,
                 self.k_min, self.k_step, self.v_min, self.v_step]
         for t in (self.k_out, self.v_out):
             bufs += [t.head, t.pos, t.chan, t.val]
         return bufs
-
-    def checkpoint(self) -> Any:
-        """O(1) token for :meth:`rollback` (the session takes one before each run; see GrowBuffer.mark)."""
-        if not self._ready:
-            return None
-        return self.len, [(b, b.mark()) for b in self._buffers()]
-
-    def rollback(self, token: Any) -> None:
-        """Undo every token ingested since :meth:`checkpoint` returned ``token`` (a failed run)."""
-        if token is None:
-            self.reset()
-            return
-        self.len, marks = token
-        for buf, m in marks:
-            buf.restore(m)
 
     def state_tensors(self) -> dict[str, np.ndarray]:
         cfg = self.cfg.as_array()

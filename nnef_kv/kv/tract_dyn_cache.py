@@ -13,12 +13,10 @@ the input's dtype. Per (batch, head):
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
-from .common import GrowBuffer, expect_state, round_half_away
+from .common import BufferCheckpoint, GrowBuffer, expect_state, round_half_away
 from .packing import pack_bits, packed_len, unpack_bits
 
 __all__ = ["TractQuantizedDynKvCache", "SINK_TOKENS", "KEY_BLOCK"]
@@ -48,7 +46,7 @@ def _shape_attr(shape) -> tuple:
     return tuple(x.strip() if isinstance(x, str) else x for x in shape)
 
 
-class TractQuantizedDynKvCache:
+class TractQuantizedDynKvCache(BufferCheckpoint):
     """State of one ``tract_transformers_quantized_dyn_kv_cache`` node."""
 
     WHO = "tract_transformers_quantized_dyn_kv_cache"
@@ -176,21 +174,10 @@ class TractQuantizedDynKvCache:
         return self.dequantized().astype(out_dtype)
 
     # ----------------------------------------------------------------------------- protocol
-    def checkpoint(self) -> Any:
-        """O(1) token for :meth:`rollback` (see GrowBuffer.mark)."""
+    def _buffers(self) -> list[GrowBuffer]:  # checkpoint / rollback: BufferCheckpoint
         if not self.initialized:
-            return None
-        bufs = [self.sink, self.packed, self.params] + ([self.residual] if self.residual is not None else [])
-        return self.len, [(b, b.mark()) for b in bufs]
-
-    def rollback(self, token: Any) -> None:
-        """Undo every token appended since :meth:`checkpoint` returned ``token`` (a failed run)."""
-        if token is None:
-            self.reset()
-            return
-        self.len, marks = token
-        for buf, m in marks:
-            buf.restore(m)
+            return []
+        return [b for b in (self.sink, self.packed, self.params, self.residual) if b is not None]
 
     def state_tensors(self) -> dict[str, np.ndarray]:
         if not self.initialized:

@@ -16,12 +16,10 @@ The class is usable without a graph: ``state = TractQuantizedKvSdpa(scale=0.125)
 """
 from __future__ import annotations
 
-from typing import Any
-
 import numpy as np
 
 from ..errors import InputError, StateError
-from .common import GrowBuffer, check_qkv, expect_state, round_half_away
+from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, round_half_away
 
 __all__ = ["TractQuantizedKvSdpa", "softmax_attention"]
 
@@ -47,7 +45,7 @@ def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     return o.reshape(b, hq, sq, d)
 
 
-class TractQuantizedKvSdpa:
+class TractQuantizedKvSdpa(BufferCheckpoint):
     """State of one ``tract_transformers_quantized_kv_sdpa`` node (see module docstring)."""
 
     WHO = "tract_transformers_quantized_kv_sdpa"
@@ -147,22 +145,11 @@ class TractQuantizedKvSdpa:
         return out.astype(out_dtype)
 
     # ----------------------------------------------------------------------------- protocol
-    def checkpoint(self) -> Any:
-        """O(1) token for :meth:`rollback`: the buffers' marks and the running key range (pushes replace
-        ``ch_lo`` / ``ch_step`` by new arrays, never write into them)."""
-        if not self.initialized:
-            return None
-        return (self.len, self.ch_lo, self.ch_step,
-                [(b, b.mark()) for b in (self.k_codes, self.v_codes, self.v_params)])
+    # checkpoint / rollback (BufferCheckpoint): pushes replace ch_lo / ch_step, never write into them
+    _CHECKPOINT_ATTRS = ("len", "ch_lo", "ch_step")
 
-    def rollback(self, token: Any) -> None:
-        """Undo every token pushed since :meth:`checkpoint` returned ``token`` (a failed run)."""
-        if token is None:
-            self.reset()
-            return
-        self.len, self.ch_lo, self.ch_step, marks = token
-        for buf, m in marks:
-            buf.restore(m)
+    def _buffers(self) -> list[GrowBuffer]:
+        return [self.k_codes, self.v_codes, self.v_params] if self.initialized else []  # type: ignore[list-item]
 
     def state_tensors(self) -> dict[str, np.ndarray]:
         if not self.initialized:
