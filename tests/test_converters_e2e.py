@@ -167,3 +167,29 @@ def test_convert_file_writes_archive(tmp_path, scheme):
     s = back.session()
     got = np.array([s.run({"input_ids": ids})["outputs"][0, -1] for ids in calls])
     assert np.array_equal(got, logits)
+
+
+@pytest.mark.parametrize("fx", MODELS)
+def test_position_binding_zero_stays_zero_whatever_the_cached_keys_hold(fx):
+    """The fused schemes bind P through a one-channel cache of the first attention's keys that reaches
+    the data path as an exact zero. A key that is Inf or NaN there must not turn that zero into NaN (it
+    would reach every head of the first attention through q)."""
+    from nnef_kv.interpreter.ops.tract_transformers import DynKvCache
+    from nnef_kv.converters.passes import POSITION_CACHE
+
+    model, report, _ = converted(fx, "kivi")
+    calls, _ = _calls(fx)
+    assert any(POSITION_CACHE in n for p in report.passes for n in p.nodes_added)
+    s = model.session()
+    s.run({"input_ids": calls[0]})
+    (pos,) = [st for (_, node), st in zip(s.plan.stateful, s.states)
+              if isinstance(st, DynKvCache) and node.attrs.get("name") == POSITION_CACHE]
+    buf = pos.buf.copy()
+    buf[0, 0, :pos.n, 0] = np.resize([np.inf, np.nan, -np.inf], pos.n)
+    pos.buf = buf  # what the session's cache would hold had every key there been Inf or NaN
+    names = [f"{POSITION_CACHE}_diff", f"{POSITION_CACHE}_zero"]
+    outs, caps = s.run({"input_ids": calls[1]}, capture=names)
+    for name in names:  # every position's difference is 0, not only their max (NaN-skipping) reduction
+        v = caps[name]
+        assert v.size and not np.signbit(v).any() and (v == 0).all(), (name, v.ravel()[:4])
+    assert np.isfinite(outs[s.output_names[0]]).all()

@@ -363,7 +363,9 @@ class PositionBindingPass:
     ``P`` undetermined, "Evaluating cachePosition Range: Undetermined symbol in expression: P"), and
     it folds ``shape_of`` of a symbolic shape to a constant, so reading the cache's shape does not
     keep it either. The cache therefore enters the data path with an exact zero:
-    ``q' = q + max_reduce(c - c, axes = [2])`` for the first attention (``x + 0.0 == x``).
+    ``q' = q + max_reduce(f - f, axes = [2])`` with ``f = cast(c == c, f32)`` for the first attention
+    (``x + 0.0 == x``). ``f`` is 1 or 0 (0 where the cached key is NaN), never Inf or NaN, so ``f - f`` is
+    0 whatever the keys hold; ``c - c`` would be NaN where a key is Inf or NaN and spread it to every head.
     """
 
     name = "position-binding"
@@ -384,6 +386,8 @@ class PositionBindingPass:
         s = _seq_symbol(ctx)
         src = g.fresh(f"{POSITION_CACHE}_input")
         out = g.fresh(POSITION_CACHE)
+        same = g.fresh(f"{POSITION_CACHE}_same")
+        finite = g.fresh(f"{POSITION_CACHE}_flag")
         diff = g.fresh(f"{POSITION_CACHE}_diff")
         zero = g.fresh(f"{POSITION_CACHE}_zero")
         qb = g.fresh(f"{block.q}_bound")
@@ -395,7 +399,9 @@ class PositionBindingPass:
                 DYN_CACHE_OP, A.Identifier(src), name=POSITION_CACHE, axis=2, datum_type="f32",
                 past_sequence_shape=A.ArrayExpr((one, one, A.Identifier(p), one)),
                 input_sequence_shape=A.ArrayExpr((one, one, A.Identifier(s), one)))),
-            A.Assignment(A.Identifier(diff), invocation("sub", A.Identifier(out), A.Identifier(out))),
+            A.Assignment(A.Identifier(same), invocation("eq", A.Identifier(out), A.Identifier(out))),
+            A.Assignment(A.Identifier(finite), invocation("tract_core_cast", A.Identifier(same), to="f32")),
+            A.Assignment(A.Identifier(diff), invocation("sub", A.Identifier(finite), A.Identifier(finite))),
             A.Assignment(A.Identifier(zero), invocation("max_reduce", A.Identifier(diff), axes=[2])),
             A.Assignment(A.Identifier(qb), invocation("add", A.Identifier(block.q), A.Identifier(zero))),
         ]
@@ -404,7 +410,7 @@ class PositionBindingPass:
         assert n.inv is not None
         args = tuple(A.Argument(a.name, A.Identifier(qb)) if i == 0 else a for i, a in enumerate(n.inv.args))
         g.replace_rhs(block.output, A.Invocation(n.inv.name, n.inv.generic, args))
-        rep.nodes_added = [src, out, diff, zero, qb]
+        rep.nodes_added = [src, out, same, finite, diff, zero, qb]
         rep.nodes_replaced = [f"{block.output}: q '{block.q}' -> '{qb}'"]
         rep.notes.append(f"'{out}' ([1, 1, {p}+{s}, 1] f32, 4 bytes a token) binds {p} from the session state; "
                          f"it reaches the data path as an exact zero added to '{block.q}' (tract drops unread nodes)")
