@@ -86,7 +86,7 @@ def test_transpose_and_unsqueeze_specialized_match_generic(rank: int, data: st.D
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/inf inputs: the generic kernel warns alike
 @pytest.mark.parametrize("dtype", [np.float32, np.float16, np.float64])
 @pytest.mark.parametrize("shape,axis", [((1, 1, 16), 2), ((1, 5, 16), -1), ((2, 3, 4), 1), ((4,), 0), ((2, 3), 2),
-                                        ((3, 2), -3)])
+                                        ((3, 2), -3), ((1, 0), 1), ((3, 0), -1)])
 def test_rms_norm_specialized_matches_generic(dtype: Any, shape: tuple[int, ...], axis: int) -> None:
     x = arrays(dtype, shape, 1, special=shape == (2, 3, 4))
     fast = specialize(C.tract_core_rms_norm, {"axis": axis, "eps": 1e-5})

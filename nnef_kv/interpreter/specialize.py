@@ -87,7 +87,7 @@ def _rms_norm(attrs: dict[str, Any]) -> Kernel | None:
         ax = axis + x.ndim if axis < 0 else axis
         ms = np.add.reduce(np.square(x), axis=ax, keepdims=True, dtype=_F32)
         n = x.shape[ax]
-        if ms.size == 1:
+        if ms.size == 1 and n:
             return x * (one / np.sqrt(_F32.type(float(ms.reshape(())) / n) + e))
         ms /= np.intp(n)
         ms += e

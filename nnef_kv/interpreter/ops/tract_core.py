@@ -383,7 +383,7 @@ def tract_core_rms_norm(input: np.ndarray, *, axis: int, eps: float = 1e-6) -> n
     ms = np.add.reduce(np.square(xf), axis=ax, keepdims=True, dtype=work)
     n = x.shape[ax]
     e = work.type(as_float(eps))
-    if ms.size == 1:  # one vector (a decode step): scalar arithmetic, same roundings
+    if ms.size == 1 and n:  # one vector (a decode step): scalar arithmetic, same roundings
         r = work.type(1.0) / np.sqrt(work.type(float(ms.reshape(())) / n) + e)
         y = xf * r
     else:
