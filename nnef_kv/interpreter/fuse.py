@@ -49,6 +49,7 @@ def fusion_pairs(graph: Graph) -> dict[int, int]:
                     readers.setdefault(s, []).extend((k, k))  # never "exactly one reader"
     pinned = {s for _, s in graph.outputs} | set(graph.symbols.values())
     pairs: dict[int, int] = {}
+    claimed: set[int] = set()
     for node in graph.nodes:
         prim = node.prim
         if prim.stateful or prim.kernel not in PRODUCERS or len(node.outputs) != 1:
@@ -62,10 +63,13 @@ def fusion_pairs(graph: Graph) -> dict[int, int]:
         if len(rd) != 1:
             continue
         consumer = graph.nodes[rd[0]]
+        if rd[0] in claimed:  # mul(silu(a), silu(b)): one producer fuses, the other runs as a step
+            continue
         if (consumer.prim.kernel is mul and not consumer.prim.stateful and len(consumer.inputs) == 2
                 and all(isinstance(i, int) for i in consumer.inputs) and consumer.inputs.count(out) == 1
                 and len(consumer.outputs) == 1 and isinstance(consumer.outputs[0], int)):
             pairs[out] = rd[0]
+            claimed.add(rd[0])
     return pairs
 
 
