@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import nnef_kv
-from conftest import FIXTURES, HAVE_TRACT, requires_shared
+from conftest import FIXTURES, HAVE_TRACT, requires_shared, requires_tract
 from nnef_kv.errors import InputError, StateError
 
 KV_TEXT = """version 1.0;
@@ -185,6 +185,29 @@ def test_benchmark_smoke(capsys: pytest.CaptureFixture[str]) -> None:
     assert mod.main(["--quick", "--no-tract", "--gqa-kv-heads", "2"]) == 0
     out = capsys.readouterr().out
     assert out.count("nnef-kv/1") == 2 and "tokens/s" in out
+    assert mod.main(["--quick", "--profile"]) == 0
+    out = capsys.readouterr().out
+    assert "tract_core_rms_norm*mul" in out and "per token" in out  # the fused step, timed by op
+    assert mod.main(["--quick", "--plan-gain", "--lockstep", "1"]) == 0
+    assert "(same tokens)" in capsys.readouterr().out
+
+
+@requires_tract
+def test_benchmark_lockstep_smoke(capsys: pytest.CaptureFixture[str]) -> None:
+    """benchmarks/decode.py's paired mode: nnef-kv and tract side by side, same tokens."""
+    import importlib.util
+    import sys
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("bench_decode_lockstep", REPO / "benchmarks" / "decode.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    assert mod.main(["--quick", "--gqa-kv-heads", "0", "--lockstep", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("same tokens: True") == 2 and "BLAS on 1" in out and "BLAS on 2" in out
 
 
 # ------------------------------------------------------------------------------------------------
