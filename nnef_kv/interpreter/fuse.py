@@ -23,6 +23,7 @@ Kernel = Callable[..., Any]
 #: kernels whose result is always a fresh array of their own (safe to overwrite in place)
 PRODUCERS: frozenset[Kernel] = frozenset({C.tract_core_rms_norm, C.tract_core_silu})
 
+
 def _mul_kernel() -> Kernel:
     from .registry import lookup
 
