@@ -7,8 +7,8 @@ What happens here, once:
   pre-transposed to a contiguous ``[in, out]`` array, so the run does a plain ``x @ Wt``;
 * projection fusion: several such products of one input (q/k/v, gate/up) become one product by the weights
   side by side (``Plan.info["fused_projections"]`` counts the products absorbed);
-* specialisation: a kernel whose attributes are all static (reshape, transpose, unsqueeze, rms_norm, silu,
-  apply_rope, sdpa) is replaced by a closure with that attribute work done once (:mod:`.specialize`);
+* specialisation: a kernel whose attributes are all static (reshape, transpose, unsqueeze, rms_norm, sdpa)
+  is replaced by a closure with that attribute work done once (:mod:`.specialize`);
 * op fusion: ``mul(rms_norm(x), w)`` and ``mul(silu(g), u)`` become one step multiplying the fresh
   producer result in place (:mod:`.fuse`; ``Plan.elided`` lists the values no longer materialised, and a
   run capturing one of them runs :meth:`Plan.unfused`);

@@ -9,7 +9,6 @@ each one against its generic kernel.
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Callable
 
 import numpy as np
@@ -18,7 +17,6 @@ from .ops import nnef_std as S
 from .ops import tract_core as C
 from .ops import tract_transformers as T
 
-_F32 = np.dtype(np.float32)
 
 Kernel = Callable[..., Any]
 
@@ -76,23 +74,14 @@ def _rms_norm(attrs: dict[str, Any]) -> Kernel | None:
     axis, eps = attrs.get("axis"), attrs.get("eps", 1e-6)
     if type(axis) is not int or not isinstance(eps, (int, float)):
         return None
-    e, generic = _F32.type(float(eps)), C.tract_core_rms_norm
-    one = _F32.type(1.0)
+    generic, array, e = C.tract_core_rms_norm, C.rms_norm_array, float(eps)
 
     def rms_norm(input: np.ndarray) -> np.ndarray:  # noqa: A002
-        """f32 input: :func:`tract_core_rms_norm`'s arithmetic, attributes read once."""
+        """:func:`tract_core_rms_norm` with its axis and eps read once."""
         x = input
-        if type(x) is not np.ndarray or x.dtype != _F32 or not -x.ndim <= axis < x.ndim:
+        if type(x) is not np.ndarray or not -x.ndim <= axis < x.ndim:
             return generic(input, axis=axis, eps=eps)
-        ax = axis + x.ndim if axis < 0 else axis
-        ms = np.add.reduce(np.square(x), axis=ax, keepdims=True, dtype=_F32)
-        n = x.shape[ax]
-        if ms.size == 1 and n:
-            return x * (one / np.sqrt(_F32.type(float(ms.reshape(())) / n) + e))
-        ms /= np.intp(n)
-        ms += e
-        np.sqrt(ms, out=ms)
-        return np.multiply(x, np.divide(one, ms, out=ms))
+        return array(x, axis + x.ndim if axis < 0 else axis, e)
     return rms_norm
 
 
@@ -107,64 +96,12 @@ def _sdpa(attrs: dict[str, Any]) -> Kernel | None:
     except Exception:  # noqa: BLE001 - the generic kernel reports it, at run time, with the node
         return None
     causal, sdpa_array = bool(attrs.get("is_causal", False)), T.sdpa_array
-    f32_acc = acc != np.float64
 
     def sdpa(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: Any = None) -> np.ndarray:
         if mask is not None and np.ndim(mask) == 0 and np.asarray(mask).dtype == np.bool_ and not bool(mask):
             mask = None
-        if (mask is None and f32_acc and type(q) is np.ndarray and type(k) is np.ndarray and type(v) is np.ndarray
-                and q.ndim == 4 and q.shape[2] == 1 and k.ndim == 4 and v.ndim == 4
-                and q.dtype == _F32 and k.dtype == _F32 and v.dtype == _F32):
-            # one query row (a decode step): it sees every key, causal or not; sdpa_array's arithmetic
-            b, hq, _, d = q.shape
-            bk, hkv, skv, dk = k.shape
-            if (bk == b and dk == d and v.shape[0] == b and v.shape[1] == hkv and v.shape[2] == skv and hkv
-                    and hq % hkv == 0 and skv):
-                scores = np.matmul(q.reshape(b, hkv, hq // hkv, d), k.swapaxes(-1, -2))
-                scores *= _F32.type(1.0 / math.sqrt(d) if sc is None else sc)
-                scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-                np.exp(scores, out=scores)
-                scores /= np.add.reduce(scores, axis=-1, keepdims=True)
-                return np.matmul(scores, v).reshape(b, hq, 1, v.shape[-1])
         return sdpa_array(q, k, v, mask, scale=sc, is_causal=causal, acc_dtype=acc)
     return sdpa
-
-
-def _silu(attrs: dict[str, Any]) -> Kernel | None:
-    generic, body = C.tract_core_silu, C._silu
-
-    def silu(x: np.ndarray) -> np.ndarray:
-        """f32 input: :func:`tract_core_silu` without its dtype dispatch."""
-        if type(x) is not np.ndarray or x.dtype != _F32:
-            return generic(x)
-        with np.errstate(over="ignore"):
-            return body(x)
-    return silu
-
-
-def _apply_rope(attrs: dict[str, Any]) -> Kernel | None:
-    generic = T.tract_transformers_apply_rope
-
-    def apply_rope(input: np.ndarray, cos: np.ndarray, sin: np.ndarray) -> np.ndarray:  # noqa: A002
-        """All f32: :func:`tract_transformers_apply_rope`'s products and sum, the second product made in
-        place in the rotated copy (when ``sin`` broadcasts into it)."""
-        x = input
-        if not (type(x) is np.ndarray and type(cos) is np.ndarray and type(sin) is np.ndarray
-                and x.dtype == _F32 and cos.dtype == _F32 and sin.dtype == _F32 and x.ndim
-                and x.shape[-1] % 2 == 0 and sin.ndim <= x.ndim):
-            return generic(input, cos, sin)
-        half = x.shape[-1] // 2
-        rot = np.empty_like(x)
-        np.negative(x[..., half:], out=rot[..., :half])
-        rot[..., half:] = x[..., :half]
-        try:
-            rot *= sin
-        except ValueError:  # sin broadcasts to a larger shape than x
-            return generic(input, cos, sin)
-        out = x * cos
-        out += rot
-        return out
-    return apply_rope
 
 
 #: generic kernel -> ``factory(static attributes) -> specialised kernel taking the inputs only, or None``
@@ -174,8 +111,6 @@ SPECIALIZERS: dict[Kernel, Callable[[dict[str, Any]], Kernel | None]] = {
     S.unsqueeze: _unsqueeze,
     C.tract_core_rms_norm: _rms_norm,
     T.tract_transformers_sdpa: _sdpa,
-    C.tract_core_silu: _silu,
-    T.tract_transformers_apply_rope: _apply_rope,
 }
 
 

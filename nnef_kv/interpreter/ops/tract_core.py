@@ -21,6 +21,7 @@ from ..registry import primitive
 from .tract_common import as_float, as_int, as_int_list, float_compute_dtype, norm_axis, parse_datum_type
 
 REG = "tract_core"
+_F32 = np.dtype(np.float32)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -375,14 +376,18 @@ def tract_core_product_reduce(input: np.ndarray, *, axes: Sequence[int]) -> np.n
 def tract_core_rms_norm(input: np.ndarray, *, axis: int, eps: float = 1e-6) -> np.ndarray:
     """``x / sqrt(mean(x^2, axis) + eps)``, computed in f32 for f16/f32 (as tract), result in the input type."""
     x = input if type(input) is np.ndarray else np.asarray(input)
+    return rms_norm_array(x, norm_axis(as_int(axis), x.ndim), as_float(eps))
+
+
+def rms_norm_array(x: np.ndarray, ax: int, eps: float) -> np.ndarray:
+    """:func:`tract_core_rms_norm` on an array, ``ax`` already in ``[0, rank)``."""
     work = float_compute_dtype(x.dtype)
     xf = x if x.dtype == work else x.astype(work)
-    ax = norm_axis(as_int(axis), x.ndim)
     # np.mean's arithmetic without its Python wrapper: pairwise sum in `work`, then / count (np.mean
     # divides in f64 and rounds to `work`; so does the one-value path below)
     ms = np.add.reduce(np.square(xf), axis=ax, keepdims=True, dtype=work)
     n = x.shape[ax]
-    e = work.type(as_float(eps))
+    e = work.type(eps)
     if ms.size == 1 and n:  # one vector (a decode step): scalar arithmetic, same roundings
         r = work.type(1.0) / np.sqrt(work.type(float(ms.reshape(())) / n) + e)
         y = xf * r
@@ -479,6 +484,9 @@ def _silu(v: np.ndarray) -> np.ndarray:
 @primitive("fragment tract_core_silu(x: tensor<scalar>) -> (y: tensor<scalar>);", REG, "tract_transformers_silu")
 def tract_core_silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)``."""
+    if type(x) is np.ndarray and x.dtype == _F32:  # the common case, without the dtype dispatch
+        with np.errstate(over="ignore"):
+            return _silu(x)
     return _float_unary(x, _silu)
 
 

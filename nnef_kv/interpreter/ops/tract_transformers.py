@@ -198,8 +198,11 @@ def tract_transformers_apply_rope(input: np.ndarray, cos: np.ndarray, sin: np.nd
     np.negative(x[..., half:], out=rot[..., :half])
     rot[..., half:] = x[..., :half]
     c, s = np.asarray(cos).astype(dt, copy=False), np.asarray(sin).astype(dt, copy=False)
-    out = np.multiply(x, c).astype(dt, copy=False)
-    rot = np.multiply(rot, s).astype(dt, copy=False)
+    out = np.multiply(x, c)
+    try:
+        rot *= s  # all three in dt: the product np.multiply(rot, s) would make, written over rot
+    except ValueError:  # sin broadcasts to a larger shape than x
+        rot = np.multiply(rot, s)
     out += rot
     return out
 
