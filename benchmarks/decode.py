@@ -227,6 +227,16 @@ class _Engine:
         self.tokens.append(int(np.argmax(logits[0, -1])))
 
 
+def _alternate(engines: list[_Engine], steps: int) -> None:
+    """Prompt for each engine, then ``steps - 1`` decode calls each, one token each in turn, the order
+    reversed every other token."""
+    for e in engines:
+        e.first()
+    for i in range(steps - 1):
+        for e in (engines if i % 2 == 0 else engines[::-1]):
+            e.step()
+
+
 def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, rounds: int) -> dict[str, Any]:
     """nnef-kv (BLAS on ``blas_threads``) and tract decoding side by side, one token each in turn (the
     order alternates), so both see the same moments of a shared machine: a paired measurement. Returns
@@ -234,25 +244,18 @@ def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, ro
     import tract
     from threadpoolctl import threadpool_limits
 
-    import nnef_kv
-    from nnef_kv.interpreter.session import Session
-
     totals = {"nnef-kv": 0.0, "tract": 0.0}
     ratios: list[float] = []
     same = True
     with threadpool_limits(limits=blas_threads, user_api="blas"):
         for _ in range(rounds):
-            session = Session(nnef_kv.load(folder))
+            session = _session(folder)
             state = tract.nnef().with_tract_transformers().load(str(folder)).into_runnable().spawn_state()
             ours = _Engine("nnef-kv", lambda: session.run({"input_ids": prompt[None]})["logits"],
                            lambda t: session.run({"input_ids": np.array([[t]], np.int64)})["logits"])
             theirs = _Engine("tract", lambda: state.run([prompt[None]])[0].to_numpy(),
                              lambda t: state.run([np.array([[t]], np.int64)])[0].to_numpy())
-            ours.first()
-            theirs.first()
-            for i in range(steps - 1):
-                for e in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
-                    e.step()
+            _alternate([ours, theirs], steps)
             totals["nnef-kv"] += sum(ours.times)
             totals["tract"] += sum(theirs.times)
             ratios += [b / a for a, b in zip(ours.times, theirs.times)]
@@ -268,7 +271,7 @@ def _session(folder: Path, plain: bool = False) -> Any:
 
     model = nnef_kv.load(folder)
     if plain:
-        plan = build_plan(get_plan(nnef_kv.load(folder)).graph, fuse_ops=False, specialize_kernels=False)
+        plan = build_plan(get_plan(model).graph, fuse_ops=False, specialize_kernels=False)
         object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
     return Session(model)
 
@@ -352,11 +355,7 @@ def plan_pair(c: Config, args: argparse.Namespace) -> None:
                 engines.append(_Engine("plain" if plain else "planned",
                                        lambda s=s: s.run({"input_ids": prompt[None]})["logits"],
                                        lambda t, s=s: s.run({"input_ids": np.array([[t]], np.int64)})["logits"]))
-            for e in engines:
-                e.first()
-            for i in range(args.steps - 1):
-                for e in (engines if i % 2 == 0 else engines[::-1]):
-                    e.step()
+            _alternate(engines, args.steps)
             for e in engines:
                 totals[e.name] += sum(e.times)
             assert engines[0].tokens == engines[1].tokens, "planned and plain plans decoded different tokens"
