@@ -19,6 +19,15 @@ def _causal(t: int, s: int) -> np.ndarray:
     return np.arange(t)[None, :] <= (t - s + np.arange(s))[:, None]
 
 
+def _read_by_call(op, q, k, v, scale):
+    """Call ``op`` and return (its output, exact attention over what the call must read: the cache
+    before the call, dequantized, then the call's own tokens in full precision)."""
+    kd, vd = op.dequantized() if op.len else (k[:, :, :0], v[:, :, :0])
+    out = op(q, k, v)
+    kd, vd = np.concatenate([kd, k], axis=2), np.concatenate([vd, v], axis=2)
+    return out, softmax_attention(q, kd, vd, scale, _causal(op.len, q.shape[2]))
+
+
 def _run(op, steps, rng, b=1, hq=4, hkv=2, d=16, dtype=np.float32):
     ks, vs, outs, qs = [], [], [], []
     for s in steps:
@@ -35,15 +44,13 @@ def _run(op, steps, rng, b=1, hq=4, hkv=2, d=16, dtype=np.float32):
 @pytest.mark.parametrize("bits", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_fused_attention_equals_dequantize_then_attend(bits, value_group, path):
     """Attention on the packed codes (folded step/min, blocks of codes; two-pass softmax or online
-    softmax) is the same function as exact attention over the dequantized cache."""
+    softmax) is the same function as exact attention over the cache as the call reads it: the cache
+    before the call, dequantized, followed by the call's own tokens in full precision."""
     rng = np.random.default_rng(bits)
     op = KiviSdpa(scale=0.25, bits=bits, key_group=8, value_group=value_group, residual=8, sinks=2,
                   block_tokens=16, score_budget=1 << 22 if path == "two_pass" else 0)
     for s in [13, 1, 1, 9] + [1] * 30:
-        q, k, v = _qkv(rng, 1, 4, 2, s, 16)
-        out = op(q, k, v)
-        kd, vd = op.dequantized()
-        ref = softmax_attention(q, kd, vd, 0.25, _causal(op.len, s))
+        out, ref = _read_by_call(op, *_qkv(rng, 1, 4, 2, s, 16), 0.25)
         np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
     assert op.n_quant > 0 and op.n_sink == 2
 
@@ -120,7 +127,12 @@ def test_non_finite_values_do_not_poison_groups(budget):
     v2[0, 0, 6, 2] = np.inf
     v2[0, 0, 1, 1] = 1e6  # finite but beyond what f16 params hold: kept exactly too
     clean(q, k, v)
-    out = dirty(q, k2, v2)
+    first = dirty(q, k2, v2)  # the prompt itself is attended in full precision
+    with np.errstate(invalid="ignore"):
+        exact = softmax_attention(q, k2, v2, 0.3, _causal(8, 8))
+    np.testing.assert_array_equal(np.isnan(first), np.isnan(exact))
+    # the same queries reading the cache as it is now stored (every token quantized, outliers exact)
+    out = dirty._attend(q.reshape(1, 2 * 8, d), 8).reshape(q.shape)
     assert dirty.nbytes()["outliers"] > 0 and len(dirty.k_out) == 1 and len(dirty.v_out) == 2
     kd_c, vd_c = clean.dequantized()
     kd_d, vd_d = dirty.dequantized()
@@ -312,10 +324,8 @@ def test_attention_on_every_code_layout_equals_exact_attention(path, bits, key_g
     op = KiviSdpa(scale=0.3, bits=bits, key_group=key_group, value_group=value_group, residual=4, sinks=1,
                   params=params, block_tokens=3 * key_group, score_budget=1 << 22 if path == "two_pass" else 0)
     for s in [29, 1, 1, 6] + [1] * 12:
-        q, k, v = _qkv(rng, 1, 6, 2, s, d)
-        out = op(q, k, v)
-        kd, vd = op.dequantized()
-        np.testing.assert_allclose(out, softmax_attention(q, kd, vd, 0.3, _causal(op.len, s)), rtol=1e-5, atol=2e-6)
+        out, ref = _read_by_call(op, *_qkv(rng, 1, 6, 2, s, d), 0.3)
+        np.testing.assert_allclose(out, ref, rtol=1e-5, atol=2e-6)
     assert op.n_quant // key_group >= 4 and (op.n_quant // key_group) % 3  # a partial last block
     splits = {3: (2, 1), 5: (4, 1), 6: (4, 2), 7: (4, 2, 1)}
     if bits == 8:
@@ -349,3 +359,45 @@ def test_state_of_token_planar_codes_round_trips_and_old_layout_is_refused():
         bad.flat[0] = np.inf
         with pytest.raises(StateError, match=name):
             KiviSdpa(**kw).load_state_tensors(dict(st, **{name: bad}))
+
+
+def _old_semantics_call(op, q, k, v):
+    """What the op computed before KIVI-style prefill: ingest first, then attend over the stored cache
+    (the call's own tokens read quantized once their group is full)."""
+    qn, ks, vs, shape, out_dtype, rv = op._prepare(q, k, v)
+    op._ingest(ks, vs)
+    op.len += ks.shape[1]
+    return op._finish(op._attend(qn, shape[2]), shape, out_dtype, rv)
+
+
+def test_prefill_is_exact_and_decode_no_worse_on_minilm():
+    """A one-call prefill of 512 real tokens is exact attention; the decode steps after it deviate from
+    exact attention no more than they did when a prefill read its own groups quantized."""
+    from conftest import FIXTURES
+
+    path = FIXTURES / "activations" / "minilm_qkv_apache2_128tok.npz"
+    if not path.exists():
+        pytest.skip(f"{path} not found")
+    z = np.load(path)
+    scale = float(z["scale"])
+    q, k, v = (np.concatenate([z[f"layer{i}_{x}"] for i in range(6)], axis=1)[None] for x in "qkv")  # 768 tokens
+    n0 = 512
+    mask = _causal(n0, n0)
+    for bits in (8, 4, 2):
+        new = KiviSdpa(scale=scale, bits=bits, key_group=32, value_group=32, residual=32)
+        old = KiviSdpa(scale=scale, bits=bits, key_group=32, value_group=32, residual=32)
+        exact = softmax_attention(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0], scale, mask)
+        got = new(q[:, :, :n0], k[:, :, :n0], v[:, :, :n0])
+        assert np.linalg.norm(got - exact) <= 1e-5 * np.linalg.norm(exact)
+        prefill_old = _old_semantics_call(old, q[:, :, :n0], k[:, :, :n0], v[:, :, :n0])
+        assert np.linalg.norm(prefill_old - exact) > 1e-3 * np.linalg.norm(exact)  # it was not exact
+        dev = {"new": [0.0, 0.0], "old": [0.0, 0.0]}
+        for t in range(n0, q.shape[2]):
+            sl = slice(t, t + 1)
+            ref = softmax_attention(q[:, :, sl], k[:, :, :t + 1], v[:, :, :t + 1], scale)
+            for name, out in (("new", new(q[:, :, sl], k[:, :, sl], v[:, :, sl])),
+                              ("old", _old_semantics_call(old, q[:, :, sl], k[:, :, sl], v[:, :, sl]))):
+                dev[name][0] += float(np.sum((out.astype(np.float64) - ref) ** 2))
+                dev[name][1] += float(np.sum(ref.astype(np.float64) ** 2))
+        d_new, d_old = (np.sqrt(a / b) for a, b in dev.values())
+        assert d_new <= d_old, (bits, d_new, d_old)

@@ -61,6 +61,19 @@ class Plan:
     #: slots of producers fused into their reader (:mod:`.fuse`): never materialised by this plan
     elided: frozenset[int] = frozenset()
     _unfused: "Plan | None" = field(default=None, repr=False)
+    _stepwise: dict[int, "Plan"] = field(default_factory=dict, repr=False)
+
+    def stepwise(self, token_slot: int) -> "Plan":
+        """This plan as a stepwise run executes it (:meth:`Session.run` with ``stepwise=True``), built once
+        per token symbol: every stateful node calls its state's ``stepwise`` instead of the state itself,
+        and a ``slice`` of a token-carrying value that keeps only the last of the run's ``C`` tokens
+        (``C > 1``, the value of the symbol in slot ``token_slot``) passes every token through, so an
+        output a one-token run gives for its token comes out for each of the ``C`` tokens."""
+        got = self._stepwise.get(token_slot)
+        if got is None:
+            got = _stepwise_plan(self, token_slot)
+            self._stepwise[token_slot] = got
+        return got
 
     def unfused(self) -> "Plan":
         """The same graph planned without op fusion (every slot materialised), built once: what a run
@@ -334,11 +347,17 @@ def node_error(node: Node, exc: BaseException) -> NnefKvError:
     return err
 
 
-def execute(plan: Plan, v: list, st: list, keep: frozenset[int] = frozenset(), threads: int = 1) -> None:
+def execute(plan: Plan, v: list, st: list, keep: frozenset[int] = frozenset(), threads: int = 1,
+            taps: dict[int, Callable[[Any], None]] | None = None) -> None:
     """Run every step of ``plan`` on the value list ``v`` (from :func:`bind_inputs`) and states ``st``,
     dropping values after their last reader unless their slot is in ``keep``. ``threads = 2`` splits large
-    products by constant weights across the caller and a helper thread (:mod:`.parallel`)."""
+    products by constant weights across the caller and a helper thread (:mod:`.parallel`).
+
+    ``taps``: ``slot -> fn``, each called with the slot's value right after the step producing it (or
+    before the first step for a value already bound: an input, a constant), before liveness may drop it."""
     program = plan.program_keeping(keep) if keep else plan.program
+    if taps:
+        program = _tapped(plan, program, v, taps)
     i = 0
     split = threads > 1 and not SPLITTER.active
     if split:
@@ -355,6 +374,29 @@ def execute(plan: Plan, v: list, st: list, keep: frozenset[int] = frozenset(), t
     finally:
         if split:
             SPLITTER.active = False
+
+
+def _tapped(plan: Plan, program: list, v: list, taps: dict[int, Callable[[Any], None]]) -> list:
+    pending = dict(taps)
+    for slot in list(pending):
+        if v[slot] is not None:  # bound before the run
+            pending.pop(slot)(v[slot])
+    if not pending:
+        return program
+    out = list(program)
+    for i, node in enumerate(plan.step_nodes):
+        here = [s for spec in node.outputs for s in _slots_of(spec) if s in pending]
+        if not here:
+            continue
+        fns = [(s, pending.pop(s)) for s in here]
+        step, dead = out[i]
+
+        def tapped(vv: list, st: list, step: Step = step, fns: list = fns) -> None:
+            step(vv, st)
+            for s, fn in fns:
+                fn(vv[s])
+        out[i] = (tapped, dead)
+    return out
 
 
 def fingerprint(graph: Graph) -> str:
@@ -518,6 +560,74 @@ def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool
                 {"nodes": len(graph.nodes), "folded": folded, "steps": len(steps), "liveness": int(live),
                  "fused_projections": fused, "specialized": specialized, "fused_ops": len(elided)},
                 frees, list(zip(steps, frees)), elided=frozenset(elided))
+
+
+# ------------------------------------------------------------------------------------------------
+# Stepwise runs
+# ------------------------------------------------------------------------------------------------
+
+#: ops whose output says nothing about the tokens themselves (a shape is not a token-carrying value)
+_SHAPE_OPS = frozenset({"tract_core_shape_of", "shape_of"})
+
+
+def token_carrying(plan: Plan) -> set[int]:
+    """Slots whose value is computed from the graph inputs or the stateful nodes' outputs through data
+    (not through a shape): the values a run carries per token."""
+    tainted = {spec.slot for spec in plan.inputs}
+    for node in plan.step_nodes:
+        ins = {s for spec in node.inputs for s in _slots_of(spec)}
+        if node.prim.stateful or (node.op not in _SHAPE_OPS and ins & tainted):
+            tainted.update(s for spec in node.outputs for s in _slots_of(spec))
+    return tainted
+
+
+def _lifting_slice(node: Node, kernel: Callable, token_slot: int) -> Step:
+    """A ``slice`` step that, on a run of ``C > 1`` tokens, passes its input through when it would keep
+    only the last of ``C`` entries along a single axis (the bounds are resolved by the slice itself,
+    applied to the indices of that axis)."""
+    (x_slot,) = node.inputs[:1]
+    (out,) = node.outputs
+    lazy = [(k, a.fn) for k, a in node.attrs.items() if isinstance(a, Lazy)]
+    static = _static_attrs(node.attrs)
+
+    def step(v: list, st: list) -> None:
+        kw = dict(static)
+        for name, fn in lazy:
+            kw[name] = fn(v)
+        x = v[x_slot]
+        c = v[token_slot]
+        axes = list(kw.get("axes", ()))
+        if c is not None and int(c) > 1 and len(axes) == 1 and isinstance(x, np.ndarray) and x.ndim:
+            a = int(axes[0]) % x.ndim
+            n = x.shape[a]
+            if n == int(c):
+                probe = np.arange(n).reshape([n if i == a else 1 for i in range(x.ndim)])
+                kept = np.asarray(kernel(probe, **kw)).ravel()
+                if kept.size == 1 and int(kept[0]) == n - 1:
+                    v[out] = x
+                    return
+        v[out] = kernel(x, **kw)
+    return step
+
+
+def _stepwise_plan(plan: Plan, token_slot: int) -> Plan:
+    import dataclasses
+
+    tainted = token_carrying(plan)
+    state_of = {id(node): k for k, node in plan.stateful}
+    program = list(plan.program)
+    for i, node in enumerate(plan.step_nodes):
+        if node.prim.stateful:
+            k = state_of[id(node)]
+
+            def step(v: list, st: list, k: int = k, node: Node = node) -> None:
+                _store(node.outputs, st[k].stepwise(*[_fetch(s, v) for s in node.inputs]), v, node)
+            program[i] = (step, program[i][1])
+        elif (node.op == "slice" and node.inputs and isinstance(node.inputs[0], int) and node.inputs[0] in tainted
+              and len(node.outputs) == 1 and isinstance(node.outputs[0], int)):
+            program[i] = (_lifting_slice(node, node.prim.kernel, token_slot), program[i][1])
+    return dataclasses.replace(plan, steps=[st for st, _ in program], program=program, _keeping={},
+                               _unfused=None, _stepwise={})
 
 
 # ------------------------------------------------------------------------------------------------

@@ -133,6 +133,25 @@ def _length_binding(node: Any, state: Any) -> dict[str, int]:
     return {shape[axis]: int(n)} if isinstance(shape[axis], str) else {}
 
 
+def _join(parts: list[Any], lens: list[int], what: str) -> Any:
+    """The values of consecutive chunks of a stepwise run (chunk ``i`` brought ``lens[i]`` tokens, two
+    lengths at least differ): concatenated along the one axis whose length is each chunk's token count
+    (a per-token value), else the last one (an accumulated value, e.g. an explicit cache)."""
+    arrays = [np.asarray(p) for p in parts]
+    shapes = [a.shape for a in arrays]
+    if len({len(sh) for sh in shapes}) != 1:
+        return parts[-1]
+    rank = len(shapes[0])
+    cand = [ax for ax in range(rank)
+            if all(sh[ax] == n for sh, n in zip(shapes, lens))
+            and all(sh[:ax] + sh[ax + 1:] == shapes[0][:ax] + shapes[0][ax + 1:] for sh in shapes)]
+    if not cand:
+        return parts[-1]
+    if len(cand) > 1:
+        raise InputError(f"stepwise: {what} has several axes of the chunk's token count {shapes}: cannot join")
+    return np.concatenate(arrays, axis=cand[0])
+
+
 class Session:
     """Runs a model; holds one state per stateful node.
 
@@ -173,7 +192,8 @@ class Session:
     def output_names(self) -> list[str]:
         return self.plan.output_names
 
-    def run(self, inputs: dict[str, Any], capture: Any = None) -> Any:
+    def run(self, inputs: dict[str, Any], capture: Any = None, *, stepwise: bool = False,
+            capture_map: Any = None) -> Any:
         """Run the graph once on ``inputs`` (by input name); returns outputs by name, in graph order.
 
         ``capture``: intermediate tensors to return too, each named by an identifier of the graph body
@@ -182,37 +202,120 @@ class Session:
         the node's name: exact for tools that pick nodes by op). Then the result is
         ``(outputs, {name: array})``; the arrays are the run's own values (not copies: do not write into
         them). An unknown name is an InputError raised before anything runs. Captured values are kept
-        alive; the normal path (no ``capture``) is unchanged.
+        alive; the normal path (no ``capture``) is unchanged. ``capture_map``: a function applied to each
+        captured value as soon as it is computed (e.g. ``lambda a: a[..., -1:, :].copy()``); its result is
+        returned instead and the value itself is freed as usual (bounded memory for long runs).
+
+        ``stepwise=True``: the run's ``C`` new tokens (along the token symbol of the integer input, e.g.
+        ``S`` of ``input_ids [1, S]``) are answered exactly as ``C`` one-token runs would have been, and the
+        same state is left behind, while each weight product runs once for the ``C`` tokens. Stateful
+        nodes run their ``stepwise`` form (the KIVI op vectorised, tract's fused ops token by token
+        inside the op, exact f32 caches as usual); a slice keeping only the last token passes all of
+        them through, so an output a one-token run gives for its token (the logits of torch-to-nnef
+        exports) comes out for every token, along that axis; an accumulated output (an explicit
+        ``out_cache_*``) comes out as after the last token. A state that needs it (tract's quantized
+        dyn cache) cuts the run into chunks at its block boundaries, each run as one call.
 
         A kernel failing raises ``file:line:col: node 'name' (op): message`` (GraphError, or the
         kernel's own nnef-kv error type)."""
         plan = self.plan
+        names: list[str] = []
+        slots: list[int] = []
         if capture is not None:
             wanted = [capture] if isinstance(capture, (str, Node)) else list(capture)
             names = [w.name if isinstance(w, Node) else str(w) for w in wanted]
             slots = self._capture_slots(wanted)
             if plan.elided.intersection(slots):  # a fused producer's value: run the unfused plan
                 plan = plan.unfused()
-            v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
-            marks = self._checkpoint() if self.states else None
-            try:
-                execute(plan, v, self.states, frozenset(slots), self.threads)
-            except BaseException as exc:
-                if marks is not None:
-                    self._rollback(marks, exc)
-                raise
-            return {name: v[slot] for name, slot in plan.outputs}, {n: v[s] for n, s in zip(names, slots)}
-        v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
-        if not self.states:
+        if stepwise:
+            outs, caps = self._run_stepwise(plan, inputs, slots, capture_map)
+        elif capture is None and not self.states:  # the decode path of stateless graphs: nothing else to do
+            v = bind_inputs(plan, inputs)
             execute(plan, v, self.states, threads=self.threads)
             return {name: v[slot] for name, slot in plan.outputs}
-        marks = self._checkpoint()
+        else:
+            v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
+            outs, caps = self._execute(plan, v, slots, capture_map)
+        return outs if capture is None else (outs, dict(zip(names, caps)))
+
+    def _execute(self, plan: Plan, v: list, slots: list[int], capture_map: Any, checkpoint: bool = True
+                 ) -> tuple[dict[str, Any], list[Any]]:
+        """Execute ``plan`` on the bound values ``v``; returns (outputs, captured values in ``slots`` order).
+        ``checkpoint``: all-or-nothing for the states (else the caller holds the checkpoint)."""
+        keep: frozenset[int] = frozenset()
+        taps = None
+        got: dict[int, Any] = {}
+        if slots:
+            if capture_map is None:
+                keep = frozenset(slots)
+            else:
+                taps = {s: (lambda x, s=s: got.__setitem__(s, capture_map(x))) for s in set(slots)}
+        marks = self._checkpoint() if (checkpoint and self.states) else None
         try:
-            execute(plan, v, self.states, threads=self.threads)
+            execute(plan, v, self.states, keep, self.threads, taps)
+        except BaseException as exc:
+            if marks is not None:
+                self._rollback(marks, exc)
+            raise
+        outs = {name: v[slot] for name, slot in plan.outputs}
+        return outs, [v[s] if capture_map is None else got[s] for s in slots]
+
+    # -- stepwise runs -------------------------------------------------------------------------
+    def token_inputs(self) -> tuple[str, dict[str, int]]:
+        """``(symbol, {input name: axis})``: the symbol counting a run's new tokens (the one symbolic dim
+        of the integer inputs, e.g. ``S`` of ``input_ids [1, S]``) and the inputs carrying it."""
+        syms = {d for spec in self.plan.inputs if np.dtype(spec.dtype).kind in "iu"
+                for d in spec.shape if isinstance(d, str)}
+        if len(syms) != 1:
+            raise InputError(f"stepwise: cannot tell which symbol counts the tokens: the integer inputs have "
+                             f"{'no symbolic dim' if not syms else 'the symbolic dims ' + ', '.join(sorted(syms))}")
+        sym = syms.pop()
+        axes = {spec.name: spec.shape.index(sym) for spec in self.plan.inputs if sym in spec.shape}
+        return sym, axes
+
+    def _run_stepwise(self, plan: Plan, inputs: dict[str, Any], slots: list[int], capture_map: Any
+                      ) -> tuple[dict[str, Any], list[Any]]:
+        sym, axes = self.token_inputs()
+        for (_, node), st in zip(self.plan.stateful, self.states):
+            if not callable(getattr(st, "stepwise", None)):
+                raise InputError(f"{node.location}: stepwise: {node.op} '{node.name}' has no stepwise run")
+        tslot = plan.graph.symbols[sym]
+        splan = plan.stepwise(tslot)
+        v = bind_inputs(splan, inputs, self._state_symbols() if self.states else None)
+        c = int(v[tslot])
+        cuts = sorted({int(i) for st in self.states if callable(getattr(st, "stepwise_splits", None))
+                       for i in st.stepwise_splits(c) if 0 < int(i) < c})
+        if not cuts:
+            return self._execute(splan, v, slots, capture_map)
+        other = [spec.name for spec in plan.inputs
+                 if spec.name not in axes and any(not isinstance(d, (int, np.integer)) for d in spec.shape)]
+        if other:
+            raise InputError(f"stepwise: the run must be cut into chunks (a state needs it) but input "
+                             f"'{other[0]}' does not carry the tokens ({sym}) and cannot be cut")
+        bounds = [0, *cuts, c]
+        lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        if len(set(lens)) == 1 and lens[-1] > 1:  # unequal lengths tell a token axis from the others
+            bounds.insert(-1, c - 1)
+            lens = [b - a for a, b in zip(bounds, bounds[1:])]
+        marks = self._checkpoint()
+        results: list[tuple[dict[str, Any], list[Any]]] = []
+        try:
+            for a, b in zip(bounds, bounds[1:]):
+                sub = {}
+                for name, x in inputs.items():
+                    if name in axes:
+                        x = np.asarray(x)
+                        sub[name] = x[(slice(None),) * axes[name] + (slice(a, b),)]
+                    else:
+                        sub[name] = x
+                vv = bind_inputs(splan, sub, self._state_symbols())
+                results.append(self._execute(splan, vv, slots, capture_map, checkpoint=False))
         except BaseException as exc:
             self._rollback(marks, exc)
             raise
-        return {name: v[slot] for name, slot in plan.outputs}
+        outs = {name: _join([r[0][name] for r in results], lens, f"output '{name}'") for name, _ in plan.outputs}
+        caps = [_join([r[1][i] for r in results], lens, "a captured value") for i in range(len(slots))]
+        return outs, caps
 
     # -- all-or-nothing runs -------------------------------------------------------------------
     def _checkpoint(self) -> list[Any]:

@@ -112,6 +112,48 @@ def _as32(a: np.ndarray) -> np.ndarray:
     return np.asarray(a, dtype=np.float32)
 
 
+def _rotate(x: np.ndarray, rot: np.ndarray) -> np.ndarray:
+    """``x @ rot`` over the last axis, each output a fixed-order sum of products: a row's result does
+    not depend on how many rows are rotated with it (BLAS's does), so a chunk stores the same bits as
+    one-token calls."""
+    out = x[..., 0:1] * rot[0]
+    for j in range(1, rot.shape[0]):
+        out += x[..., j:j + 1] * rot[j]
+    return out
+
+
+def _finite_part(x: np.ndarray, offset: int):
+    """``x [n, T, D]`` with its non-finite values set to 0, and ``(head, column, channel, value)`` of
+    those values (column = ``offset`` + token), or None when all are finite."""
+    bad = ~np.isfinite(x)
+    if not bad.any():
+        return x, None
+    h, t, c = np.nonzero(bad)
+    return np.where(bad, np.float32(0), x), (h, t + offset, c, x[h, t, c])
+
+
+@dataclass(frozen=True)
+class _View:
+    """What one attention call reads: the full-precision sinks and window (storage dtype,
+    ``[n, tokens, D]``), the first ``tq`` quantized tokens of the buffers, and ``total`` positions in
+    all (``sinks + tq + window``; the last ``Sq`` are the call's queries)."""
+
+    sink_k: np.ndarray
+    sink_v: np.ndarray
+    res_k: np.ndarray
+    res_v: np.ndarray
+    tq: int
+    total: int
+
+    @property
+    def ns(self) -> int:
+        return int(self.sink_k.shape[1])
+
+    @property
+    def nr(self) -> int:
+        return int(self.res_k.shape[1])
+
+
 class _Outliers:
     """Exact side table of values kept out of the quantized groups: (head, position, channel, value)."""
 
@@ -351,23 +393,46 @@ class KiviSdpa(BufferCheckpoint):
         bt = self.cfg.block_tokens or max(kg, (1 << 18) // max(1, n * self.d))
         return max(kg, bt // kg * kg)
 
-    def _attend(self, q: np.ndarray, sq: int) -> np.ndarray:
+    def _current_view(self) -> _View:
+        """The cache as it is now (no call in progress)."""
+        return _View(self.sink_k.view(), self.sink_v.view(), self.res_k.view(), self.res_v.view(),
+                     self.n_quant, self.len)
+
+    def _call_view(self, ks: np.ndarray, vs: np.ndarray) -> _View:
+        """What a call bringing ``ks, vs`` (``[n, S, D]``, storage dtype) reads *before* it ingests them:
+        the groups quantized before the call, everything else (sinks, window, the call's own tokens) in
+        full precision."""
+        ns_new = min(max(self.cfg.sinks - self.sink_k.len, 0), ks.shape[1])
+        sk, sv = self.sink_k.view(), self.sink_v.view()
+        if ns_new:
+            sk = np.concatenate([sk, ks[:, :ns_new]], axis=1)
+            sv = np.concatenate([sv, vs[:, :ns_new]], axis=1)
+        rk, rv = self.res_k.view(), self.res_v.view()
+        if ks.shape[1] > ns_new:
+            rk = np.concatenate([rk, ks[:, ns_new:]], axis=1)
+            rv = np.concatenate([rv, vs[:, ns_new:]], axis=1)
+        return _View(sk, sv, rk, rv, self.n_quant, self.len + ks.shape[1])
+
+    def _attend(self, q: np.ndarray, sq: int, view: _View | None = None) -> np.ndarray:
         """q: [n, M, D] f32 (rotated, M = group * Sq rows; row r is query r % Sq). Returns [n, M, D].
+        ``view``: what is read (default: the cache as it is now).
 
         Heads are independent: with ``threads > 1`` and a long enough cache they are split into
         contiguous ranges processed in a thread pool (NumPy releases the GIL in its kernels)."""
+        if view is None:
+            view = self._current_view()
         n = q.shape[0]
-        work = self.n_quant * n * self.d
+        work = view.tq * n * self.d
         nth = min(self.threads, n) if work >= (1 << 20) else 1
         if nth <= 1:
-            return self._attend_heads(q, sq, 0, n, 0)
+            return self._attend_heads(q, sq, 0, n, 0, view)
         from concurrent.futures import ThreadPoolExecutor
 
         bounds = np.linspace(0, n, nth + 1).astype(int)
         if self._pool is None or self._pool._max_workers != nth:
             self._pool = ThreadPoolExecutor(max_workers=nth, thread_name_prefix="nnef_kv_kivi")
         futs = [self._pool.submit(self._attend_heads, q[bounds[i]:bounds[i + 1]], sq, int(bounds[i]),
-                                  int(bounds[i + 1]), i) for i in range(nth)]
+                                  int(bounds[i + 1]), i, view) for i in range(nth)]
         return np.concatenate([f.result() for f in futs], axis=0)
 
     def _code_buffer(self, slot: int, n: int, rows: int) -> np.ndarray:
@@ -376,31 +441,31 @@ class KiviSdpa(BufferCheckpoint):
             buf = self._bufs[slot] = np.empty((n, rows, self.d), np.float32)
         return buf
 
-    def _attend_heads(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
+    def _attend_heads(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: _View) -> np.ndarray:
         """Attention for the kv heads ``h0:h1`` (q already restricted to them); ``slot`` names the
         reusable code buffer of the calling thread. Small score matrices (decode) take the two-pass
         path, large ones (long prefill chunks) the online softmax; both read the codes block by block."""
-        if self.b * self.hkv * q.shape[1] * self.len * 4 <= self.score_budget:
-            return self._attend_two_pass(q, sq, h0, h1, slot)
-        return self._attend_online(q, sq, h0, h1, slot)
+        if self.b * self.hkv * q.shape[1] * view.total * 4 <= self.score_budget:
+            return self._attend_two_pass(q, sq, h0, h1, slot, view)
+        return self._attend_online(q, sq, h0, h1, slot, view)
 
-    def _attend_two_pass(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
+    def _attend_two_pass(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: _View) -> np.ndarray:
         """Scores of every position (``[n, M, T]``, small in decode), one exact softmax, then the
         values. Per block of codes only an unpack (straight into the f32 buffer) and one matmul call
         on each side; the key min, the softmax sums and the value min are whole-array operations."""
         c = self.cfg
         n, m, d = q.shape
         hs = slice(h0, h1)
-        ns, tq, nr = self.n_sink, self.n_quant, self.n_res
-        total = self.len
+        ns, tq, nr = view.ns, view.tq, view.nr
+        total = view.total
         q = q * np.float32(c.scale)
         s = np.empty((n, m, total), np.float32)
         if ns:
-            np.matmul(q, _as32(self.sink_k.view()[hs]).swapaxes(-1, -2), out=s[:, :, :ns])
+            np.matmul(q, _as32(view.sink_k[hs]).swapaxes(-1, -2), out=s[:, :, :ns])
         if tq:
             self._key_scores(s[:, :, ns:ns + tq], q, h0, h1, slot)
         if nr:
-            np.matmul(q, _as32(self.res_k.view()[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
+            np.matmul(q, _as32(view.res_k[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
         if c.is_causal and sq > 1:  # a single query is the last position: it sees everything
             qpos = (total - sq) + (np.arange(m) % sq)
             s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
@@ -411,9 +476,9 @@ class KiviSdpa(BufferCheckpoint):
         ls = p.sum(axis=-1, keepdims=True)
         out = self._value_sum(p[:, :, ns:ns + tq], h0, h1, slot) if tq else np.zeros((n, m, d), np.float32)
         if ns:
-            out += np.matmul(p[:, :, :ns], _as32(self.sink_v.view()[hs]))
+            out += np.matmul(p[:, :, :ns], _as32(view.sink_v[hs]))
         if nr:
-            out += np.matmul(p[:, :, ns + tq:], _as32(self.res_v.view()[hs]))
+            out += np.matmul(p[:, :, ns + tq:], _as32(view.res_v[hs]))
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.divide(out, ls, out=out)
 
@@ -426,8 +491,8 @@ class KiviSdpa(BufferCheckpoint):
         kg = c.key_group
         tq = sv.shape[-1]
         ng = tq // kg
-        kmin = self._param32(self.k_min, hs)  # [n, G, d]
-        kstep = self._param32(self.k_step, hs)
+        kmin = self._param32(self.k_min, hs, ng)  # [n, G, d]
+        kstep = self._param32(self.k_step, hs, ng)
         if m == 1 and c.params == "f16":  # kstep is a fresh f32 array: fold q into it in place
             qs = np.multiply(kstep, q, out=kstep)[:, :, None, :]  # [n, G, 1, d]
         else:
@@ -457,8 +522,8 @@ class KiviSdpa(BufferCheckpoint):
         n, m, tq = pq.shape
         d, nvg, vg = self.d, self.nvg, self.vg
         hs = slice(h0, h1)
-        vmin = self._param32(self.v_min, hs)  # [n, Tq, nvg]
-        vstep = self._param32(self.v_step, hs)
+        vmin = self._param32(self.v_min, hs, tq)  # [n, Tq, nvg]
+        vstep = self._param32(self.v_step, hs, tq)
         if nvg == 1:
             pw = pq * vstep[:, None, :, 0]  # [n, M, Tq]
             base = np.matmul(pq, vmin)  # [n, M, 1]
@@ -490,18 +555,18 @@ class KiviSdpa(BufferCheckpoint):
             self._value_fix(out, pq, 0, tq, vmin, h0, h1)
         return out
 
-    def _param32(self, buf: GrowBuffer, hs: slice) -> np.ndarray:
-        """Stored group params of heads ``hs`` as f32: a view for f32 params, a fresh exact
-        conversion for f16 ones (:func:`f16_to_f32`, ~4x faster than NumPy's cast)."""
-        a = buf.view()[hs]
+    def _param32(self, buf: GrowBuffer, hs: slice, count: int | None = None) -> np.ndarray:
+        """Stored group params of heads ``hs`` (the first ``count`` entries) as f32: a view for f32
+        params, a fresh exact conversion for f16 ones (:func:`f16_to_f32`, ~4x faster than NumPy's cast)."""
+        a = buf.view(0, count)[hs]
         return a if a.dtype == np.float32 else f16_to_f32(a)
 
-    def _attend_online(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int) -> np.ndarray:
+    def _attend_online(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: _View) -> np.ndarray:
         """Online softmax over sinks, blocks of codes and window (bounded memory for long chunks)."""
         c = self.cfg
         n, m, d = q.shape
         hs = slice(h0, h1)
-        total = self.len
+        total = view.total
         qpos = (total - sq) + (np.arange(m) % sq)  # absolute position of each query row
         q = q * np.float32(c.scale)  # scores are (scale q).k: the scale is folded into the query
         qmin_pos = int(qpos.min())
@@ -527,20 +592,20 @@ class KiviSdpa(BufferCheckpoint):
 
         qt = np.swapaxes(q, -1, -2)
         # ---- sinks (full precision)
-        if self.n_sink:
-            ks = self.sink_k.view()[hs].astype(np.float32)
-            vs = self.sink_v.view()[hs].astype(np.float32)
+        if view.ns:
+            ks = view.sink_k[hs].astype(np.float32)
+            vs = view.sink_v[hs].astype(np.float32)
             merge(np.matmul(q, np.swapaxes(ks, -1, -2)), lambda p: np.matmul(p, vs), 0)
         # ---- quantized groups, block by block
-        tq = self.n_quant
+        tq = view.tq
         if tq:
             kg = c.key_group
             bt = self._block_tokens(self.b * self.hkv)  # same blocks whatever the thread split
             buf_all = self._code_buffer(slot, n, min(bt, tq))
             kcodes, vcodes = self.k_codes.view()[hs], self.v_codes.view()[hs]
             # params of the whole quantized part, f32 (small: 2/key_group + 2/value_group per value)
-            kmin, kstep = self._param32(self.k_min, hs), self._param32(self.k_step, hs)
-            vmin, vstep = self._param32(self.v_min, hs), self._param32(self.v_step, hs)
+            kmin, kstep = self._param32(self.k_min, hs, tq // kg), self._param32(self.k_step, hs, tq // kg)
+            vmin, vstep = self._param32(self.v_min, hs, tq), self._param32(self.v_step, hs, tq)
             qmin_all = np.matmul(kmin, qt)  # [n, G, m]
             for t0 in range(0, tq, bt):
                 t1 = min(tq, t0 + bt)
@@ -573,13 +638,12 @@ class KiviSdpa(BufferCheckpoint):
                         self._value_fix(out, p, t0, t1, vmin, h0, h1)
                     return out
 
-                merge(s, pv, self.n_sink + t0)
+                merge(s, pv, view.ns + t0)
         # ---- residual window (full precision)
-        if self.n_res:
-            kr = self.res_k.view()[hs].astype(np.float32)
-            vr = self.res_v.view()[hs].astype(np.float32)
-            merge(np.matmul(q, np.swapaxes(kr, -1, -2)), lambda p: np.matmul(p, vr),
-                  self.n_sink + tq)
+        if view.nr:
+            kr = view.res_k[hs].astype(np.float32)
+            vr = view.res_v[hs].astype(np.float32)
+            merge(np.matmul(q, np.swapaxes(kr, -1, -2)), lambda p: np.matmul(p, vr), view.ns + tq)
         with np.errstate(invalid="ignore", divide="ignore"):
             return acc / ls[..., None]
 
@@ -606,7 +670,9 @@ class KiviSdpa(BufferCheckpoint):
         np.add.at(np.swapaxes(out, 1, 2), (h, ch), corr)
 
     # ============================================================================== entry point
-    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+    def _prepare(self, q: np.ndarray, k: np.ndarray, v: np.ndarray):
+        """Checks, lazy init, rotation: ``(qn [n, g*Sq, D] f32, ks, vs [n, S, D] storage dtype, shape,
+        out dtype, rotate values back?)``."""
         q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
         b, hq, sq, hkv, snew, d = check_qkv(self.WHO, q, k, v)
         out_dtype = q.dtype if q.dtype in (np.float16, np.float32) else np.dtype(np.float32)
@@ -622,21 +688,121 @@ class KiviSdpa(BufferCheckpoint):
         rk = self.rot is not None and self.cfg.rotate in ("k", "kv")
         rv = self.rot is not None and self.cfg.rotate in ("v", "kv")
         if rk:
-            k32 = k32 @ self.rot
+            k32 = _rotate(k32, self.rot)
         if rv:
-            v32 = v32 @ self.rot
-        self._ingest(k32.astype(self.fp_dtype), v32.astype(self.fp_dtype))
-        self.len += snew
-        g = hq // hkv
-        qn = q.astype(np.float32).reshape(n, g * sq, d)
+            v32 = _rotate(v32, self.rot)
+        qn = q.astype(np.float32).reshape(n, (hq // hkv) * sq, d)
         if rk:
-            qn = qn @ self.rot
-        if self.len == 0 or sq == 0:
-            return np.zeros(q.shape, out_dtype)
-        out = self._attend(qn, sq)
+            qn = _rotate(qn, self.rot)
+        return qn, k32.astype(self.fp_dtype), v32.astype(self.fp_dtype), q.shape, out_dtype, rv
+
+    def _finish(self, out: np.ndarray, shape: tuple[int, ...], out_dtype: np.dtype, rv: bool) -> np.ndarray:
         if rv:
-            out = out @ self.rot.T
-        return out.reshape(b, hq, sq, d).astype(out_dtype)
+            out = _rotate(out, self.rot.T)
+        return out.reshape(shape).astype(out_dtype)
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """One call: attention of ``q`` over the cache *with this call's tokens in full precision*
+        (only groups quantized before the call are read quantized, as KIVI's reference does: a prompt
+        attends exactly), then the call's tokens are stored by the usual rule."""
+        qn, ks, vs, shape, out_dtype, rv = self._prepare(q, k, v)
+        sq = shape[2]
+        view = self._call_view(ks, vs)
+        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf follow f32 semantics, silently
+            out = self._attend(qn, sq, view) if view.total and sq else None
+        self._ingest(ks, vs)
+        self.len += ks.shape[1]
+        if out is None:
+            return np.zeros(shape, out_dtype)
+        return self._finish(out, shape, out_dtype, rv)
+
+    def stepwise(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """``S`` new tokens with one query row each, answered exactly as ``S`` one-token calls would
+        have been (row ``i`` reads quantized only the groups quantized before token ``i`` arrived),
+        leaving the same state; vectorised (the quantized part is dequantized once, rows in blocks)."""
+        qn, ks, vs, shape, out_dtype, rv = self._prepare(q, k, v)
+        sq, snew = shape[2], ks.shape[1]
+        if sq != snew:
+            raise InputError(f"{self.WHO}: a stepwise call needs one query row per new token, got {sq} "
+                             f"queries for {snew} tokens")
+        if snew <= 1:
+            return self(q, k, v)
+        len0 = self.len
+        view = self._call_view(ks, vs)  # sinks after the call; the pre-call window + the new tokens
+        tq0 = view.tq
+        self._ingest(ks, vs)
+        self.len += snew
+        c = self.cfg
+        before = np.maximum(len0 + np.arange(snew) - c.sinks, 0)  # non-sink tokens before row i's own
+        qcount = c.key_group * np.maximum(0, (before - c.residual) // c.key_group)
+        with np.errstate(invalid="ignore", over="ignore"):
+            out = self._attend_stepwise(qn, snew, view, tq0, qcount, len0)
+        return self._finish(out, shape, out_dtype, rv)
+
+    def _attend_stepwise(self, q: np.ndarray, sq: int, view: _View, tq0: int, qcount: np.ndarray,
+                         len0: int) -> np.ndarray:
+        """Rows of ``sq`` one-token calls at once. Scores are laid out ``[sinks | every quantized
+        token (after the call) | full-precision tokens from tq0 on]``: a token quantized during the
+        call appears twice, and each row keeps the copy it would have read (its quantized copy only if
+        it was quantized before the row's token came), causally."""
+        c = self.cfg
+        n, m, d = q.shape
+        g = m // sq
+        ns, nfp = view.ns, view.nr
+        kq, vq = self._dequantized_quant()  # [n, tq, d] f32 (transient: the quantized part only)
+        tqf = kq.shape[1]
+        sk, sv = _as32(view.sink_k), _as32(view.sink_v)
+        rk, rv = _as32(view.res_k), _as32(view.res_v)
+        width = ns + tqf + nfp
+        # non-finite values: out of the products (a masked position would give 0 * inf = NaN, while the
+        # row's one-token call never saw it), added back for the rows that see them
+        sv, bad_s = _finite_part(sv, 0)
+        vq, bad_q = _finite_part(vq, ns)
+        rv, bad_r = _finite_part(rv, ns + tqf)
+        bad = [b for b in (bad_s, bad_q, bad_r) if b is not None]
+        q4 = (q * np.float32(c.scale)).reshape(n, g, sq, d)
+        out4 = np.empty((n, g, sq, d), np.float32)
+        blk = max(1, min(sq, self.score_budget // max(1, 4 * n * g * width)))
+        s_pos = np.arange(ns)
+        f_idx = tq0 + np.arange(nfp)  # index of each full-precision token among the non-sink ones
+        for i0 in range(0, sq, blk):
+            i1 = min(sq, i0 + blk)
+            nb = i1 - i0
+            qb = q4[:, :, i0:i1].reshape(n, g * nb, d)
+            pos = len0 + np.arange(i0, i1)  # absolute position of each query
+            qc = qcount[i0:i1]
+            keep = np.empty((nb, width), bool)
+            keep[:, :ns] = s_pos[None, :] <= pos[:, None]
+            keep[:, ns:ns + tqf] = np.arange(tqf)[None, :] < qc[:, None]
+            keep[:, ns + tqf:] = (f_idx[None, :] >= qc[:, None]) & (ns + f_idx[None, :] <= pos[:, None])
+            keep = np.broadcast_to(keep[None], (g, nb, width)).reshape(g * nb, width)
+            s = np.empty((n, g * nb, width), np.float32)
+            if ns:
+                np.matmul(qb, sk.swapaxes(-1, -2), out=s[:, :, :ns])
+            if tqf:
+                np.matmul(qb, kq.swapaxes(-1, -2), out=s[:, :, ns:ns + tqf])
+            if nfp:
+                np.matmul(qb, rk.swapaxes(-1, -2), out=s[:, :, ns + tqf:])
+            s[:, ~keep] = -np.inf
+            mx = s.max(axis=-1, keepdims=True)
+            if not mx.min() > -np.inf:
+                mx = np.where(np.isfinite(mx), mx, np.float32(0))
+            p = np.exp(np.subtract(s, mx, out=s), out=s)
+            ls = p.sum(axis=-1, keepdims=True)
+            o = np.zeros((n, g * nb, d), np.float32)
+            if ns:
+                o += np.matmul(p[:, :, :ns], sv)
+            if tqf:
+                o += np.matmul(p[:, :, ns:ns + tqf], vq)
+            if nfp:
+                o += np.matmul(p[:, :, ns + tqf:], rv)
+            for h, col, ch, val in bad:
+                contrib = np.where(keep[:, col].T, p[h, :, col] * val[:, None], np.float32(0))  # [cnt, rows]
+                np.add.at(np.swapaxes(o, 1, 2), (h, ch), contrib)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                o /= ls
+            out4[:, :, i0:i1] = o.reshape(n, g, nb, d)
+        return out4.reshape(n, m, d)
 
     # ================================================================================ protocol
     def _buffers(self) -> list[GrowBuffer]:
@@ -726,6 +892,20 @@ class KiviSdpa(BufferCheckpoint):
         self.v_out.load(tensors, "v_out", who, n, tq, d)
         self.len = t
 
+    QUANTIZED = True
+
+    @property
+    def fp_window(self) -> int:
+        """The most tokens a query can read in full precision (first sinks, then the newest
+        ``residual + key_group``): a context must be longer than this for quantized entries to be read."""
+        return self.cfg.sinks + self.cfg.residual + self.cfg.key_group
+
+    def census(self) -> dict[str, int]:
+        """Tokens held now: quantized (keys and values alike) and in full precision (sinks + window);
+        ``f32_bytes``: what the same keys and values take as f32."""
+        return {"tokens": int(self.len), "quantized": int(self.n_quant),
+                "full_precision": int(self.n_sink + self.n_res), "f32_bytes": 8 * self.b * self.hkv * self.len * self.d}
+
     def nbytes(self) -> dict[str, int]:
         if not self._ready:
             return {"codes": 0, "params": 0, "full_precision": 0, "outliers": 0,
@@ -743,9 +923,9 @@ class KiviSdpa(BufferCheckpoint):
         }
 
     # ================================================================================ helpers
-    def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
-        """The cache as the attention sees it, K and V ``[B, Hkv, T, D]`` f32, in the *rotated*
-        basis when ``rotate`` is on (for tests and measurements; attention never calls this)."""
+    def _dequantized_quant(self) -> tuple[np.ndarray, np.ndarray]:
+        """The quantized part, K and V ``[n, Tq, D]`` f32 (rotated basis), outliers at their exact
+        values."""
         n, d = self.b * self.hkv, self.d
         kg = self.cfg.key_group
         tq = self.n_quant
@@ -758,6 +938,13 @@ class KiviSdpa(BufferCheckpoint):
         kq[h, pos, ch] = val
         h, pos, ch, val = self.v_out.in_range(0, tq)
         vq[h, pos, ch] = val
+        return kq, vq
+
+    def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
+        """The cache as the attention sees it, K and V ``[B, Hkv, T, D]`` f32, in the *rotated*
+        basis when ``rotate`` is on (for tests and measurements; attention never calls this)."""
+        d = self.d
+        kq, vq = self._dequantized_quant()
         kf = np.concatenate([self.sink_k.view().astype(np.float32), kq, self.res_k.view().astype(np.float32)], 1)
         vf = np.concatenate([self.sink_v.view().astype(np.float32), vq, self.res_v.view().astype(np.float32)], 1)
         return kf.reshape(self.b, self.hkv, self.len, d), vf.reshape(self.b, self.hkv, self.len, d)

@@ -173,6 +173,34 @@ class TractQuantizedDynKvCache(BufferCheckpoint):
         self.len += s
         return self.dequantized().astype(out_dtype)
 
+    QUANTIZED = True
+    #: a multi-token run stores its tokens as one-token runs would; only the keys of a block completed
+    #: inside the run read differently (quantized) for the run's earlier rows: see :meth:`stepwise_splits`
+    stepwise = __call__
+
+    def stepwise_splits(self, n: int) -> list[int]:
+        """Where a stepwise run of ``n`` new tokens must start a new chunk so that every chunk, run as one
+        call, answers each of its rows as one-token runs would: at each token that completes a key block
+        (its block is then quantized before any row of the chunk reads it). Values (per token) need none."""
+        if not self.per_channel or n <= 1:
+            return []
+        pos = self.len + np.arange(n)
+        before = pos - SINK_TOKENS  # non-sink tokens before each token
+        done = (pos >= SINK_TOKENS) & ((before + 1) % KEY_BLOCK == 0)
+        return [int(i) for i in np.nonzero(done)[0] if i > 0]
+
+    @property
+    def fp_window(self) -> int:
+        """The most tokens held in f32: the sinks, plus a partial key block for keys."""
+        return SINK_TOKENS + (KEY_BLOCK - 1 if self.per_channel else 0)
+
+    def census(self) -> dict[str, int]:
+        if not self.initialized:
+            return {"tokens": 0, "quantized": 0, "full_precision": 0, "f32_bytes": 0}
+        fp = self.sink.len + (self.residual.len if self.residual is not None else 0)
+        return {"tokens": int(self.len), "quantized": int(self.packed.len), "full_precision": int(fp),
+                "f32_bytes": 4 * self.b * self.h * self.len * self.d}
+
     # ----------------------------------------------------------------------------- protocol
     def _buffers(self) -> list[GrowBuffer]:  # checkpoint / rollback: BufferCheckpoint
         if not self.initialized:

@@ -144,6 +144,21 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
         out = softmax_attention(q32, kf, vf, scale)
         return out.astype(out_dtype)
 
+    QUANTIZED = True
+    #: every token is quantized as it arrives: no full-precision window
+    fp_window = 0
+
+    def stepwise(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """One-token calls, one per new token (tract's multi-token call has no causal mask and codes
+        every key under the running range, so only a loop gives one-token semantics)."""
+        from ..interpreter.ops.tract_transformers import stepwise_loop
+
+        return stepwise_loop(self, q, k, v, axis=2)
+
+    def census(self) -> dict[str, int]:
+        return {"tokens": int(self.len), "quantized": int(self.len), "full_precision": 0,
+                "f32_bytes": 8 * self.b * self.hkv * self.len * self.d}
+
     # ----------------------------------------------------------------------------- protocol
     # checkpoint / rollback (BufferCheckpoint): pushes replace ch_lo / ch_step, never write into them
     _CHECKPOINT_ATTRS = ("len", "ch_lo", "ch_step")

@@ -16,7 +16,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...errors import GraphError, StateError
+from ...errors import GraphError, InputError, StateError
 from ..registry import primitive, stateful
 from .tract_common import as_float, float_compute_dtype, norm_axis, parse_datum_type
 
@@ -26,6 +26,23 @@ REG = "tract_transformers"
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
+def stepwise_loop(state: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, axis: int = 2) -> np.ndarray:
+    """``state(q, k, v)`` token by token along ``axis`` (one query row per new token), outputs
+    concatenated: a fused attention op's stepwise run when its multi-token semantics differ."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    ax = norm_axis(axis, q.ndim, what="stepwise axis")
+    n = k.shape[ax]
+    if q.shape[ax] != n:
+        raise InputError(f"a stepwise call needs one query row per new token, got {q.shape[ax]} queries for "
+                         f"{n} tokens")
+    if n <= 1:
+        return state(q, k, v)
+    lead = (slice(None),) * ax
+    outs = [state(q[lead + (slice(i, i + 1),)], k[lead + (slice(i, i + 1),)], v[lead + (slice(i, i + 1),)])
+            for i in range(n)]
+    return np.concatenate(outs, axis=ax)
+
+
 def causal_mask(q_len: int, kv_len: int) -> np.ndarray:
     """Boolean ``[q_len, kv_len]``, True where attention is allowed.
 
@@ -282,6 +299,17 @@ class DynKvCache:
         out.flags.writeable = False
         return out
 
+    #: a multi-token run already answers as one-token runs would: every entry is stored exactly, and the
+    #: attention reading the cache masks causally (``Session.run(stepwise=True)`` calls this unchanged)
+    stepwise = __call__
+    QUANTIZED = False
+
+    def census(self) -> dict[str, int]:
+        """Entries held (all in full precision); ``f32_bytes``: what they take as f32."""
+        c = self.cache
+        return {"tokens": int(self.n), "quantized": 0, "full_precision": int(self.n),
+                "f32_bytes": 0 if c is None else 4 * int(c.size)}
+
     def _alloc(self, shape: Sequence[int], dtype: np.dtype, needed: int) -> None:
         """A new buffer holding at least ``needed`` entries (with headroom), the current ones copied."""
         ax = self._ax
@@ -489,6 +517,17 @@ class WindowKvSdpa:
         self.k = self._push(self.k, k)
         self.v = self._push(self.v, v)
         return sdpa_array(q, self.k, self.v, None, scale=self.scale, where="tract_transformers_window_kv_sdpa")
+
+    QUANTIZED = False
+
+    def stepwise(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """One-token runs, one per new token (a multi-token run attends non-causally over the window)."""
+        return stepwise_loop(self, q, k, v, axis=self.axis)
+
+    def census(self) -> dict[str, int]:
+        n = 0 if self.k is None else int(self.k.shape[norm_axis(self.axis, self.k.ndim)])
+        return {"tokens": n, "quantized": 0, "full_precision": n,
+                "f32_bytes": 0 if self.k is None else 4 * int(self.k.size + self.v.size)}
 
     def reset(self) -> None:
         self.k = self.v = None
