@@ -13,6 +13,7 @@ Public API::
     model = nnef_kv.load(path); nnef_kv.save(model, path)
     array = nnef_kv.read_tensor(path_or_file); nnef_kv.write_tensor(path_or_file, array)
     session = model.session(); outputs = session.run({"input": x})
+    report = nnef_kv.validate("k4.nnef.tgz", "f32.nnef.tgz", text="notes.txt", tokenizer="tokenizer.json")
 """
 from __future__ import annotations
 
@@ -45,9 +46,11 @@ _LAZY = {
     "save": "nnef_kv.io.archive",
     "Model": "nnef_kv.io.archive",
 }
+_MODULES = {"validate": "nnef_kv.validate"}  # a callable package: nnef_kv.validate(archive, reference, ...)
 
 __all__ = [
     *_LAZY,
+    "validate",
     "Limits",
     "NnefKvError",
     "NnefSyntaxError",
@@ -69,4 +72,8 @@ def __getattr__(name: str) -> Any:  # lazy imports keep `import nnef_kv` cheap
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value
         return value
+    if name in _MODULES:
+        import importlib
+
+        return importlib.import_module(_MODULES[name])
     raise AttributeError(f"module 'nnef_kv' has no attribute {name!r}")

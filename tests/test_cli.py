@@ -17,7 +17,7 @@ from nnef_kv.models.reference import reference_logits
 
 from conftest import HAVE_TRACT, REPO, requires_tract
 
-CFG = DecoderConfig(vocab=64, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64, seed=21)
+CFG = DecoderConfig(vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64, seed=21)
 
 
 @pytest.fixture(scope="module")
@@ -32,6 +32,9 @@ def archives(tmp_path_factory) -> dict[str, Path]:
         "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [1, 4]);\n  y = relu(x);\n}\n"), plain)
     junk = d / "junk.nnef.tgz"
     junk.write_bytes(b"this is not a tar archive at all\n" * 10)
+    from nnef_kv.text import byte_level_tokenizer
+
+    byte_level_tokenizer().save(str(d / "tokenizer.json"))  # found next to the archives
     return {"f32": f32, "dyn": dyn, "plain": plain, "junk": junk, "dir": d}
 
 
@@ -116,7 +119,7 @@ def test_run_multi_step_with_cache_feedback(archives, tmp_path, capsys) -> None:
     out = tmp_path / "out.npz"
     assert main(["run", str(archives["f32"]), "--inputs", str(npz), "-o", str(out)]) == 0
     text = capsys.readouterr().out
-    assert "step 2 outputs: float32 [1, 1, 64]" in text and "NaN 0" in text
+    assert f"step 2 outputs: float32 [1, 1, {CFG.vocab}]" in text and "NaN 0" in text
     with np.load(out) as z:
         assert z["out_cache_key_1@2"].shape == (1, CFG.kv_heads, 5, CFG.head_dim)
         want = reference_logits(CFG, build_decoder_weights(CFG), ids[0])
@@ -171,11 +174,52 @@ def test_generate_greedy_matches_reference_on_both_cache_layouts(archives, capsy
         assert ("explicit cache" if which == "f32" else "session cache") in cap.err
 
 
-@pytest.mark.parametrize("opts", [["--prompt-ids", "1,x"], ["--prompt-ids", "-3"], ["--prompt-ids", ","],
-                                  ["--prompt-ids", "1", "--max-new-tokens", "0"]])
-def test_generate_bad_options(archives, capsys, opts) -> None:
+def test_generate_prompt_streams_text(archives, capsys) -> None:
+    from nnef_kv.text import byte_level_tokenizer
+
+    tok = byte_level_tokenizer()
+    ids = tok.encode("We hold these truths").ids
+    for _ in range(8):
+        ids.append(int(np.argmax(reference_logits(CFG, build_decoder_weights(CFG), np.array(ids))[-1])))
+    want = tok.decode(ids[len(tok.encode("We hold these truths").ids):])
+    assert main(["generate", str(archives["f32"]), "--prompt", "We hold these truths", "--max-new-tokens", "8"]) == 0
+    cap = capsys.readouterr()
+    assert cap.out == want + "\n"
+    err = cap.err.strip().splitlines()
+    assert "tokenizer found next to the archive" in err[0] and err[-1].startswith("8 tokens in ")
+
+
+def test_generate_interrupted_ends_the_line_and_summarises(archives, capsys, monkeypatch) -> None:
+    from nnef_kv.validate.decode import InterpreterDecoder
+
+    real = InterpreterDecoder.__call__
+    calls = {"n": 0}
+
+    def stop_after_three(self, ids):
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(self, ids)
+
+    monkeypatch.setattr(InterpreterDecoder, "__call__", stop_after_three)
+    assert main(["generate", str(archives["f32"]), "--prompt-ids", "1,2", "--max-new-tokens", "50"]) == 130
+    cap = capsys.readouterr()
+    assert cap.out.endswith("\n") and len(cap.out.split()) == 3
+    assert cap.err.strip().startswith("3 tokens in ") and "(interrupted)" in cap.err
+
+
+@pytest.mark.parametrize("opts,match", [
+    (["--prompt-ids", "1,x"], "not an integer"), (["--prompt-ids", "-3"], "negative"), (["--prompt-ids", ","], "no token"),
+    (["--prompt-ids", "1", "--max-new-tokens", "0"], ">= 1"), (["--prompt-ids", "99999999999999999999999"], "too large"),
+    (["--prompt-ids", "1,300"], "token id 300 at position 1 is outside the model's vocabulary of 256"),
+    (["--prompt-ids", "1", "--max-new-tokens", "5000"], "the model holds at most 4095"),
+    (["--prompt", ""], "the prompt is empty"), ([], "give the prompt"),
+    (["--prompt", "x", "--tokenizer", "{missing}"], "no such file"),
+])
+def test_generate_bad_options(archives, capsys, opts, match, tmp_path) -> None:
+    opts = [o.format(missing=tmp_path / "nope.json") for o in opts]
     assert main(["generate", str(archives["f32"]), *opts]) == 2
-    _err_line(capsys)
+    assert match in _err_line(capsys)
 
 
 def test_generate_on_a_non_decoder(archives, capsys) -> None:
@@ -187,91 +231,152 @@ def test_generate_on_a_non_decoder(archives, capsys) -> None:
 def _kivi(archives, tmp_path, bits: int) -> Path:
     out = tmp_path / f"k{bits}.nnef.tar"
     assert main(["convert", str(archives["f32"]), "-o", str(out), "--bits", str(bits), "--key-group", "16",
-                 "--value-group", "16", "--residual", "16"]) == 0
+                 "--value-group", "8", "--residual", "16"]) == 0
+    (tmp_path / "tokenizer.json").write_bytes((archives["dir"] / "tokenizer.json").read_bytes())  # as exporters leave it
     return out
 
 
 def test_validate_good_archive_passes_and_writes_reports(archives, tmp_path, capsys) -> None:
     k8 = _kivi(archives, tmp_path, 8)
     rd = tmp_path / "report"
-    assert main(["validate", str(k8), "--reference", str(archives["f32"]), "--report-dir", str(rd), "--steps", "24",
-                 "--prompt-len", "24", "--max-attention-deviation", "0.1", "--min-token-agreement", "0.8",
-                 "--max-kl", "0.01"]) == 0
+    assert main(["validate", str(k8), "--reference", str(archives["f32"]), "--report-dir", str(rd),
+                 "--context", "100,300", "--eval-tokens", "24", "--max-attention-deviation", "0.1",
+                 "--min-token-agreement", "0.8", "--max-kl", "0.01", "--max-ppl-ratio", "1.1"]) == 0
     out = capsys.readouterr().out
-    assert "PASS" in out and "round trip" in out
+    assert "\nPASS\nreport: " in out and "[ok] round trip" in out and "Mean KLD" in out
+    assert "no --text given: the sample text shipped with nnef-kv" in out
     data = json.loads((rd / "report.json").read_text())
-    assert data["ok"] is True and data["numeric_cost"]["calls"] == 25
-    assert 0 < data["numeric_cost"]["attention_deviation"]["max"] <= 0.1
+    assert data["verdict"] == "pass" and [c["context"] for c in data["contexts"]] == [100, 300]
+    assert 0 < data["contexts"][0]["attention_deviation"]["max"] <= 0.1
     assert (rd / "report.md").read_text().startswith("# nnef-kv validation")
     assert (rd / "report.png").stat().st_size > 1000
+
+
+def test_validate_without_thresholds_is_measured_never_pass(archives, tmp_path, capsys) -> None:
+    k4 = _kivi(archives, tmp_path, 4)
+    text = tmp_path / "t.txt"
+    text.write_text("It is a truth universally acknowledged, " * 40)
+    assert main(["validate", str(k4), "--reference", str(archives["f32"]), "--text", str(text),
+                 "--eval-tokens", "16"]) == 0
+    out = capsys.readouterr().out
+    assert out.rstrip().endswith("MEASURED") and "PASS" not in out
+    assert "context 256 (default" in out
+
+
+def test_validate_within_the_window_exits_1(archives, tmp_path, capsys) -> None:
+    k4 = _kivi(archives, tmp_path, 4)
+    assert main(["validate", str(k4), "--reference", str(archives["f32"]), "--context", "20",
+                 "--eval-tokens", "8"]) == 1
+    out = capsys.readouterr().out
+    assert ("nothing was quantized: context 20 fits in the full-precision window (residual 16 + key_group 16); "
+            "use --context >= 256") in out
+    assert out.rstrip().endswith("FAIL")
 
 
 def test_validate_impossible_threshold_exits_1(archives, tmp_path, capsys) -> None:
     k2 = _kivi(archives, tmp_path, 2)
     rd = tmp_path / "r"
-    assert main(["validate", str(k2), "--reference", str(archives["f32"]), "--steps", "24", "--prompt-len", "24",
+    assert main(["validate", str(k2), "--reference", str(archives["f32"]), "--context", "128", "--eval-tokens", "16",
                  "--max-attention-deviation", "0.000001", "--report-dir", str(rd)]) == 1
     assert "FAIL" in capsys.readouterr().out
-    assert json.loads((rd / "report.json").read_text())["ok"] is False
+    assert json.loads((rd / "report.json").read_text())["verdict"] == "fail"
 
 
-def test_validate_without_reference_runs_round_trip_only(archives, capsys) -> None:
-    assert main(["validate", str(archives["f32"]), "--steps", "4", "--no-parity"]) == 0
-    assert "round trip" in capsys.readouterr().out
+def test_validate_refuses_another_model_as_reference(archives, tmp_path, capsys) -> None:
+    k4 = _kivi(archives, tmp_path, 4)
+    other = tmp_path / "other.nnef.tar"
+    nnef_kv.save(build_decoder(DecoderConfig(**{**CFG.to_dict(), "seed": 22})), other)
+    assert main(["validate", str(k4), "--reference", str(other), "--context", "64", "--eval-tokens", "8"]) == 2
+    assert "not the same model as the archive" in _err_line(capsys)
+    assert main(["validate", str(k4), "--reference", str(k4), "--context", "64", "--eval-tokens", "8"]) == 2
+    assert "holds a quantized KV cache itself" in _err_line(capsys)
 
 
-def test_validate_non_decoder_round_trip_only(archives, tmp_path, capsys) -> None:
-    assert main(["validate", str(archives["plain"]), "--report-dir", str(tmp_path / "r")]) == 0
-    out = capsys.readouterr().out
-    assert "[ok] round trip" in out and "skipped" in out
-    assert main(["validate", str(archives["plain"]), "--max-kl", "1"]) == 1  # a threshold it cannot measure
-    assert "needs --reference" in capsys.readouterr().out
+def test_validate_non_decoder_is_refused(archives, tmp_path, capsys) -> None:
+    assert main(["validate", str(archives["plain"]), "--ids", str(_ids_file(tmp_path, [1, 2, 3] * 200)),
+                 "--report-dir", str(tmp_path / "r")]) == 2
+    assert "not a decoder nnef-kv can drive" in _err_line(capsys)
+    assert not (tmp_path / "r").exists()
 
 
-@pytest.mark.parametrize("opts", [["--max-kl", "-1"], ["--min-token-agreement", "1.5"], ["--steps", "-1"],
-                                  ["--max-attention-deviation", "nan"], ["--prompt-len", "0"],
-                                  ["--reference", "/nonexistent/ref.tgz"]])
-def test_validate_bad_options_write_nothing(archives, tmp_path, capsys, opts) -> None:
+def _ids_file(tmp_path, ids) -> Path:
+    p = tmp_path / "ids.txt"
+    p.write_text(" ".join(map(str, ids)))
+    return p
+
+
+@pytest.mark.parametrize("opts,match", [
+    (["--max-kl", "-1"], "--max-kl -1.0: must be >= 0"), (["--min-token-agreement", "1.5"], "in [0, 1]"),
+    (["--eval-tokens", "0"], "--eval-tokens 0: must be an integer >= 1"),
+    (["--max-attention-deviation", "nan"], "--max-attention-deviation nan: not a number"),
+    (["--max-ppl-ratio", "nan"], "not a number"), (["--context", "0"], "a context is a number of tokens >= 1"),
+    (["--context", "x"], "a context is a number of tokens"), (["--chunk", "0"], "--chunk 0"),
+    (["--reference", "/nonexistent/ref.tgz"], "no such file"),
+    (["--context", "5000"], "it holds at most 4095 (tract_assert S+P < 4096)"),
+    (["--text", "{empty}"], "the text is empty"), (["--text", "{short}", "--context", "100"], "the text has 12"),
+    (["--text", "{latin1}"], "not UTF-8 text (byte 0xe9 at offset 1)"),
+    (["--text", "{short}", "--tokenizer", "{notok}"], "a JSON file but not a Hugging Face tokenizer"),
+    (["--text", "{short}", "--tokenizer", "{short}"], "not a readable tokenizer JSON file"),
+    (["--ids", "{bigid}"], "--ids {bigid}: token id 300 at position 3 is outside the model's vocabulary of 256"),
+    (["--ids", "{badid}"], "is not an integer token id"),
+    (["--text", "{short}", "--ids", "{bigid}"], "give exactly one of --text, --prompt or --ids"),
+])
+def test_validate_bad_input_writes_nothing(archives, tmp_path, capsys, opts, match) -> None:
+    files = {"empty": "  \n", "short": "Hello, world", "notok": '{"a": 1}', "bigid": "1 2 3 300 4", "badid": "1 2 x"}
+    subs = {}
+    for k, v in files.items():
+        (tmp_path / k).write_text(v)
+        subs[k] = str(tmp_path / k)
+    (tmp_path / "latin1").write_bytes("é".encode("latin-1").join([b"a", b"b"]))
+    subs["latin1"] = str(tmp_path / "latin1")
     rd = tmp_path / "r"
+    opts = [o.format(**subs) for o in opts]
     assert main(["validate", str(archives["f32"]), "--report-dir", str(rd), *opts]) == 2
-    _err_line(capsys)
+    assert match.format(**subs) in _err_line(capsys)
     assert not rd.exists()
 
 
 @requires_tract
 def test_validate_tract_parity_on_f32(archives, capsys) -> None:
-    assert main(["validate", str(archives["f32"]), "--steps", "6"]) == 0
-    assert "[ok] tract parity" in capsys.readouterr().out
+    assert main(["validate", str(archives["f32"]), "--context", "64", "--eval-tokens", "8"]) == 1  # nothing quantized
+    out = capsys.readouterr().out
+    assert "[ok] tract parity" in out and "no quantized KV cache" in out
 
 
 # -- demo --------------------------------------------------------------------------------------------
 def test_demo_table(capsys, tmp_path) -> None:
-    assert main(["demo", "--steps", "48", "--prompt-len", "48", "--report-dir", str(tmp_path / "reports")]) == 0
+    assert main(["demo", "--context", "128,300", "--eval-tokens", "16", "--report-dir", str(tmp_path / "reports")]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.strip()]
     header = next(i for i, ln in enumerate(lines) if ln.startswith("model"))
-    rows = [ln.split() for ln in lines[header + 2: header + 7]]
-    assert [r[0] for r in rows] == ["f32", "kivi", "kivi", "kivi", "tract"]
-    assert [r[2] if r[0] == "f32" else r[1] for r in rows] == ["32", "8", "4", "2", "8"]
-    kv = [int((r[3] if r[0] == "f32" else r[2]).replace(",", "")) for r in rows]
-    assert kv[0] > kv[1] > kv[2] > kv[3]
+    rows = [ln.split() for ln in lines[header + 2: header + 12]]
+    assert [r[0] for r in rows] == ["f32"] * 2 + ["kivi"] * 6 + ["tract"] * 2
+    bits = [r[2] if r[0] == "f32" else r[1] for r in rows]
+    assert bits == ["32", "32", "8", "8", "4", "4", "2", "2", "8", "8"]
+    ctx = [int(r[3] if r[0] == "f32" else r[2]) for r in rows]
+    assert ctx == [128, 300] * 5
+    kv = {(b, c): int((r[7] if r[0] == "f32" else r[6]).replace(",", "")) for r, b, c in zip(rows, bits, ctx)}
+    assert kv[("32", 300)] > kv[("8", 300)] > kv[("4", 300)] > kv[("2", 300)]
+    quantized = [int(r[3]) for r in rows[2:8] if r[0] == "kivi"]
+    assert all(q > 0 for q in quantized)  # past the window: the quantized cache is what is measured
     assert {p.name for p in (tmp_path / "reports").iterdir()} == {"f32", "kivi8", "kivi4", "kivi2", "tract8"}
-    assert all(" ".join(r[-3:]) == "n/a (nnef-kv op)" for r in rows[1:4])  # tract cannot load the KIVI op: said so
+    assert all(" ".join(r[-3:]) == "n/a (nnef-kv op)" for r in rows[2:8])  # tract cannot load the KIVI op: said so
     if HAVE_TRACT:
         assert rows[0][-2] == "ok"  # the f32 reference agrees with tract
 
 
 def test_demo_session_cache_variant(capsys) -> None:
-    assert main(["demo", "--cache", "dyn", "--steps", "64", "--prompt-len", "64", "--bits", "4", "--no-tract",
+    assert main(["demo", "--cache", "dyn", "--context", "128", "--eval-tokens", "16", "--bits", "4", "--no-tract",
                  "--key-group", "8", "--value-group", "8", "--residual", "8", "--layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "cache dyn" in out
     row = next(ln.split() for ln in out.splitlines() if ln.startswith("kivi"))
-    assert float(row[3]) < 1.0 and 0.0 < float(row[4])  # fewer KV bytes than f32, some deviation
+    assert float(row[7]) < 1.0 and 0.0 < float(row[8])  # fewer KV bytes than f32, some deviation
 
 
-def test_demo_bad_bits(capsys) -> None:
-    assert main(["demo", "--bits", "4,9"]) == 2
+@pytest.mark.parametrize("opts", [["--bits", "4,9"], ["--vocab", "128"], ["--context", "0"]])
+def test_demo_bad_options(capsys, opts) -> None:
+    assert main(["demo", *opts]) == 2
     _err_line(capsys)
 
 
@@ -322,6 +427,7 @@ def test_progress_bar_silent_off_terminal_and_forced_on(monkeypatch, capsys) -> 
     ["generate", "{missing}", "--prompt-ids", "1,2"],
     ["validate", "{missing}", "--report-dir", "{out}"],
     ["validate", "{f32}", "--reference", "{missing}", "--report-dir", "{out}"],
+    ["validate", "{f32}", "--text", "{missing}", "--report-dir", "{out}"],
 ])
 def test_missing_files(archives, tmp_path, capsys, argv) -> None:
     out = tmp_path / "out"
@@ -334,7 +440,7 @@ def test_missing_files(archives, tmp_path, capsys, argv) -> None:
 def test_validate_report_dir_is_a_file(archives, tmp_path, capsys) -> None:
     f = tmp_path / "taken"
     f.write_text("x")
-    assert main(["validate", str(archives["f32"]), "--report-dir", str(f), "--steps", "2"]) == 2
+    assert main(["validate", str(archives["f32"]), "--report-dir", str(f), "--context", "64"]) == 2
     assert "report-dir" in _err_line(capsys)
     assert f.read_text() == "x"
 

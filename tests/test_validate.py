@@ -15,8 +15,6 @@ from nnef_kv.validate import (
     check_round_trip,
     detect_signature,
     kl_divergence,
-    numeric_cost,
-    reference_trace,
     rel_l2,
     run_decode,
     summary_stats,
@@ -40,7 +38,7 @@ def f32_model(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def ref_trace(f32_model):
-    return reference_trace(f32_model, PROMPT, 40)
+    return run_decode(InterpreterDecoder(f32_model), PROMPT, 40)
 
 
 def _converted(model, **kw):
@@ -140,49 +138,185 @@ def test_round_trip_reports_what_does_not_survive(f32_model, monkeypatch) -> Non
     assert any("model.norm.weight" in p and "missing" in p for p in r.problems)
 
 
-# -- numeric cost ----------------------------------------------------------------------------------
-def test_reference_against_itself_costs_nothing(f32_model, ref_trace) -> None:
-    cost, _ = numeric_cost(f32_model, ref_trace)
-    assert cost.attention_max == 0.0 and cost.token_agreement == 1.0
-    assert max(cost.kl) == 0.0 and cost.kv_ratio == 1.0
+# -- validation on text -------------------------------------------------------------------------------
+TEXT_CFG = DecoderConfig(vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64, seed=11)
 
 
-def test_cost_grows_as_bits_shrink(f32_model, ref_trace) -> None:
-    costs = {b: numeric_cost(_converted(f32_model, scheme="kivi", bits=b), ref_trace)[0] for b in (8, 4, 2)}
-    dev = {b: c.attention_mean for b, c in costs.items()}
-    kv = {b: c.kv_bytes["total"] for b, c in costs.items()}
-    assert 0 < dev[8] < dev[4] < dev[2]
-    assert kv[8] > kv[4] > kv[2] > 0
-    assert costs[8].attention_max < 0.05
-    assert costs[8].kl_stats()["mean"] < costs[2].kl_stats()["mean"]
-    assert len(costs[4].attention) == 41 and len(costs[4].attention[0]) == CFG.layers
+@pytest.fixture(scope="module")
+def text_ref(tmp_path_factory):
+    path = tmp_path_factory.mktemp("text") / "f32.nnef.tar"
+    nnef_kv.save(build_decoder(TEXT_CFG), path)
+    return nnef_kv.load(path)
 
 
-def test_validate_thresholds_and_report(tmp_path, f32_model, ref_trace) -> None:
-    m = _converted(f32_model, scheme="kivi", bits=2)
-    ok = validate_model(m, f32_model, ValidateOptions(steps=40, max_attention_deviation=10.0, min_token_agreement=0.0,
-                                                      max_kl=10.0), ref_trace=ref_trace)
-    assert ok.ok, [c.to_dict() for c in ok.checks]
-    bad = validate_model(m, f32_model, ValidateOptions(steps=40, max_attention_deviation=1e-9, max_kl=0.0),
-                         ref_trace=ref_trace)
-    assert not bad.ok
-    failed = {c.name for c in bad.checks if not c.ok}
-    assert failed == {"max attention deviation", "max KL"}
-    paths = write_report(bad, tmp_path / "rep")
+@pytest.fixture(scope="module")
+def source():
+    from nnef_kv.text import byte_level_tokenizer, sample_text, token_source
+
+    return token_source(prompt=sample_text(), tokenizer=byte_level_tokenizer())
+
+
+def _kivi(model, bits, **kw):
+    from nnef_kv.converters import convert
+
+    opts = dict(key_group=16, value_group=8, residual=16)
+    opts.update(kw)
+    return convert(model, scheme="kivi", bits=bits, **opts)[0]
+
+
+def test_teacher_forced_predictions_equal_one_token_calls(text_ref, source) -> None:
+    """The N predictions of a context are those of the tokens L .. L+N-1: the prefill's last position,
+    then each fed token's own (stepwise, as one-token calls would give them)."""
+    from nnef_kv.validate.runner import _measure
+
+    ids, L, N = source.ids, 100, 12
+    dec = InterpreterDecoder(_kivi(text_ref, 4))
+    m = _measure(dec, ids, L, N, None, None)
+    one = InterpreterDecoder(_kivi(text_ref, 4))
+    want = [one(np.asarray(ids[:L]))] + [one(np.asarray([t])) for t in ids[L:L + N - 1]]
+    np.testing.assert_allclose(m.logits, np.stack(want), rtol=0, atol=1e-5 * np.abs(want).max())
+    assert m.reads[0] == 0 and (m.reads[1:] > 0).all()  # the prefill itself is read in full precision
+
+
+def test_kl_grows_as_bits_fall_and_every_context_reads_quantized(text_ref, source) -> None:
+    opts = ValidateOptions(contexts=[96, 300], eval_tokens=32, parity=False)
+    reps = {b: validate_model(_kivi(text_ref, b), text_ref, source, opts) for b in (8, 4, 2)}
+    for rep in reps.values():
+        assert rep.verdict == "measured" and rep.ok, [c.to_dict() for c in rep.checks]
+        for res in rep.contexts:
+            s = res.summary()
+            assert s["quantized_tokens"] > 0 and s["tokens_reading_quantized"] > 0
+            assert 0 < s["kv_bytes"] < s["kv_bytes_f32"]
+    for i in range(2):
+        kl = [reps[b].contexts[i].summary()["kl_mean"] for b in (8, 4, 2)]
+        assert 0 < kl[0] < kl[1] < kl[2]
+        assert kl[0] < 1e-4
+
+
+def test_reference_against_itself(text_ref, source) -> None:
+    rep = validate_model(text_ref, text_ref, source, ValidateOptions(contexts=[64], eval_tokens=16, parity=False))
+    s = rep.contexts[0].summary()
+    assert s["kl_max"] == 0.0 and s["top1_agreement"] == 1.0 and s["ppl_ratio"] == 1.0
+    assert s["attention_deviation"]["max"] == 0.0
+    # nothing quantized: not a pass, whatever the figures
+    assert rep.verdict == "fail" and "no quantized KV cache" in " ".join(c.detail for c in rep.checks if not c.ok)
+
+
+def test_vacuous_context_fails_and_a_long_one_measures(text_ref, source) -> None:
+    """Both ends: a context inside the full-precision window (residual 32 + key_group 32) is refused as
+    measuring nothing; the default context measures a quantized regime."""
+    m = _kivi(text_ref, 4, key_group=32, value_group=8, residual=32)
+    short = validate_model(m, text_ref, source, ValidateOptions(contexts=[20], eval_tokens=16, parity=False))
+    assert short.verdict == "fail"
+    msg = next(c.detail for c in short.checks if not c.ok)
+    assert msg == ("nothing was quantized: context 20 fits in the full-precision window (residual 32 + key_group 32); "
+                   "use --context >= 512")
+    default = validate_model(m, text_ref, source, ValidateOptions(eval_tokens=16, parity=False))
+    assert [r.context for r in default.contexts] == [512] and default.verdict == "measured"
+    assert default.contexts[0].summary()["quantized_tokens"] >= 512 - 63
+
+
+def test_thresholds_pass_and_fail(text_ref, source) -> None:
+    m = _kivi(text_ref, 2)
+    base = dict(contexts=[128], eval_tokens=24, parity=False)
+    ok = validate_model(m, text_ref, source, ValidateOptions(**base, max_kl=10.0, min_token_agreement=0.0,
+                                                             max_ppl_ratio=100.0, max_attention_deviation=10.0))
+    assert ok.verdict == "pass", [c.to_dict() for c in ok.checks]
+    bad = validate_model(m, text_ref, source, ValidateOptions(**base, max_kl=0.0, max_attention_deviation=1e-9))
+    assert bad.verdict == "fail"
+    assert {c.name for c in bad.checks if not c.ok} == {"max kl @ 128", "max attention deviation @ 128"}
+    alone = validate_model(m, None, source, ValidateOptions(**base, max_kl=1.0))
+    assert alone.verdict == "fail" and "needs a reference" in " ".join(c.detail for c in alone.checks)
+    assert alone.contexts[0].summary()["ppl"] > 1  # the archive's own perplexity is still measured
+
+
+def test_different_and_quantized_references_are_refused(text_ref, source) -> None:
+    other = build_decoder(DecoderConfig(**{**TEXT_CFG.to_dict(), "seed": 12}))
+    m = _kivi(text_ref, 4)
+    opts = ValidateOptions(contexts=[64], eval_tokens=8, parity=False)
+    with pytest.raises(nnef_kv.InputError, match="not the same model as the archive"):
+        validate_model(m, other, source, opts)
+    with pytest.raises(nnef_kv.InputError, match="holds a quantized KV cache itself"):
+        validate_model(m, _kivi(text_ref, 2), source, opts)
+    rep = validate_model(m, other, source, ValidateOptions(contexts=[64], eval_tokens=8, parity=False,
+                                                           allow_different_weights=True))
+    assert rep.contexts[0].summary()["top1_agreement"] < 0.9  # a different model, measured on request
+
+
+@pytest.mark.parametrize("opts,match", [
+    (dict(contexts=[9_000]), "the model must hold"),
+    (dict(contexts=[8150]), "tokens of text, the text has 8150"),
+    (dict(max_kl=float("nan")), "not a number"),
+    (dict(min_token_agreement=2.0), r"in \[0, 1\]"),
+    (dict(eval_tokens=0), "must be an integer >= 1"),
+])
+def test_bad_options_are_refused_before_decoding(text_ref, source, opts, match, monkeypatch) -> None:
+    import nnef_kv.validate.runner as runner
+
+    monkeypatch.setattr(runner, "_measure", lambda *a, **k: pytest.fail("decoded before refusing"))
+    model = build_decoder(DecoderConfig(**{**TEXT_CFG.to_dict(), "max_positions": 9000}))
+    with pytest.raises(nnef_kv.InputError, match=match):
+        validate_model(_kivi(model, 4), model, source, ValidateOptions(**opts))
+
+
+def test_ids_outside_the_vocabulary_name_the_option(text_ref) -> None:
+    from nnef_kv.text import token_source
+
+    src = token_source(ids=[1, 2, 300, 4] * 100, names={"ids": "--ids"})
+    with pytest.raises(nnef_kv.InputError, match=r"^--ids: token id 300 at position 2 is outside the model's vocabulary of 256"):
+        validate_model(_kivi(text_ref, 4), text_ref, src, ValidateOptions(contexts=[64], eval_tokens=8))
+
+
+def test_chunked_prefill_is_near_the_one_call_prefill(text_ref, source) -> None:
+    m = _kivi(text_ref, 4)
+    one = validate_model(m, text_ref, source, ValidateOptions(contexts=[256], eval_tokens=16, parity=False))
+    chunked = validate_model(m, text_ref, source, ValidateOptions(contexts=[256], eval_tokens=16, chunk=64, parity=False))
+    a, b = one.contexts[0], chunked.contexts[0]
+    assert b.chunk == 64 and b.archive.reads[0] > 0 == a.archive.reads[0]  # earlier chunks are read quantized
+    assert b.summary()["kl_mean"] < 10 * a.summary()["kl_mean"] + 1e-6
+
+
+def test_report_files(tmp_path, text_ref, source) -> None:
+    rep = validate_model(_kivi(text_ref, 4), text_ref, source,
+                         ValidateOptions(contexts=[64, 200], eval_tokens=16, parity=False, max_kl=1.0))
+    paths = write_report(rep, tmp_path / "rep")
     assert sorted(p.name for p in paths) == ["report.json", "report.md", "report.png"]
     data = json.loads((tmp_path / "rep" / "report.json").read_text())
-    assert data["ok"] is False and data["numeric_cost"]["calls"] == 41
-    assert len(data["numeric_cost"]["steps"]) == 41
-    assert data["tract_parity"]["status"] == "skipped" and "nnef_kv" in data["tract_parity"]["reason"]
-    assert "FAIL" in (tmp_path / "rep" / "report.md").read_text()
+    assert data["verdict"] == "pass" and [c["context"] for c in data["contexts"]] == [64, 200]
+    keys = {"context", "eval_tokens", "kl_mean", "kl_p99", "top1_agreement", "ppl_reference", "ppl", "quantized_tokens",
+            "full_precision_tokens", "kv_bytes", "kv_bytes_f32"}
+    for c in data["contexts"]:
+        assert keys <= set(c)
+        assert len(c["per_token"]["kl"]) == 16 and len(c["per_token"]["attention_deviation"][0]) == TEXT_CFG.layers
+    md = (tmp_path / "rep" / "report.md").read_text()
+    assert "**Verdict: PASS**" in md and "## context 200" in md and "Mean KLD" in md
     assert (tmp_path / "rep" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert not [p for p in (tmp_path / "rep").iterdir() if p.name.startswith(".")]  # no temporaries left
 
 
+@requires_shared
+@pytest.mark.parametrize("name", ["llama_gqa", "gpt2"])
+def test_shared_fixture_decoders_at_8_4_2_bits(name, source) -> None:
+    """The shared torch-to-nnef decoders (no tokenizer of their own: the byte-level one, ids < 320),
+    converted with a residual small enough that most tokens are quantized."""
+    ref = nnef_kv.load(FIXTURES / name / "model.nnef.tgz")
+    opts = ValidateOptions(contexts=[200], eval_tokens=32, parity=False)
+    kl = []
+    for bits in (8, 4, 2):
+        rep = validate_model(_kivi(ref, bits, key_group=16, value_group=16, residual=16), ref, source, opts)
+        s = rep.contexts[0].summary()
+        assert rep.ok and s["quantized_tokens"] > 0
+        assert s["tokens_reading_quantized"] == 31  # all but the prefill's own prediction (full precision)
+        kl.append(s["kl_mean"])
+    assert kl[0] < kl[1] < kl[2] and kl[0] < 1e-4
+
+
 @requires_tract
-def test_tract_parity_on_tract_cache_archive(f32_model, ref_trace) -> None:
-    m = _converted(f32_model, scheme="tract-cache", bits=8)
-    rep = validate_model(m, f32_model, ValidateOptions(steps=40), ref_trace=ref_trace)
+def test_tract_parity_on_tract_cache_archive(text_ref, source) -> None:
+    from nnef_kv.converters import convert
+
+    m = convert(text_ref, scheme="tract-cache", bits=8)[0]
+    rep = validate_model(m, text_ref, source, ValidateOptions(contexts=[100], eval_tokens=24))
     assert rep.parity is not None and rep.parity.status == "ok", rep.parity
-    assert rep.parity.calls == 41 and rep.parity.max_abs < 1e-4
-    assert rep.ok
+    assert rep.parity.calls == 24 and rep.parity.max_abs < 1e-4
+    assert rep.ok and rep.verdict == "measured"

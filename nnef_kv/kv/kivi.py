@@ -777,13 +777,14 @@ class KiviSdpa(BufferCheckpoint):
             keep[:, ns + tqf:] = (f_idx[None, :] >= qc[:, None]) & (ns + f_idx[None, :] <= pos[:, None])
             keep = np.broadcast_to(keep[None], (g, nb, width)).reshape(g * nb, width)
             s = np.empty((n, g * nb, width), np.float32)
+            masked = ~keep
             if ns:
                 np.matmul(qb, sk.swapaxes(-1, -2), out=s[:, :, :ns])
             if tqf:
                 np.matmul(qb, kq.swapaxes(-1, -2), out=s[:, :, ns:ns + tqf])
             if nfp:
                 np.matmul(qb, rk.swapaxes(-1, -2), out=s[:, :, ns + tqf:])
-            s[:, ~keep] = -np.inf
+            np.copyto(s, np.float32(-np.inf), where=masked)
             mx = s.max(axis=-1, keepdims=True)
             if not mx.min() > -np.inf:
                 mx = np.where(np.isfinite(mx), mx, np.float32(0))
@@ -899,6 +900,20 @@ class KiviSdpa(BufferCheckpoint):
         """The most tokens a query can read in full precision (first sinks, then the newest
         ``residual + key_group``): a context must be longer than this for quantized entries to be read."""
         return self.cfg.sinks + self.cfg.residual + self.cfg.key_group
+
+    @property
+    def window_text(self) -> str:
+        c = self.cfg
+        return f"residual {c.residual} + key_group {c.key_group}" + (f" + sinks {c.sinks}" if c.sinks else "")
+
+    def reads_quantized(self, n: int, stepwise: bool = True):
+        """Quantized entries the query of each of the next ``n`` tokens reads: in one-token (stepwise)
+        runs, the groups quantized before that token; in one call, the groups quantized before the call."""
+        c = self.cfg
+        if not stepwise:
+            return np.full(n, self.n_quant, np.int64)
+        before = np.maximum(self.len + np.arange(n) - c.sinks, 0)
+        return c.key_group * np.maximum(0, (before - c.residual) // c.key_group)
 
     def census(self) -> dict[str, int]:
         """Tokens held now: quantized (keys and values alike) and in full precision (sinks + window);

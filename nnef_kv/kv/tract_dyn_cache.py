@@ -194,6 +194,17 @@ class TractQuantizedDynKvCache(BufferCheckpoint):
         """The most tokens held in f32: the sinks, plus a partial key block for keys."""
         return SINK_TOKENS + (KEY_BLOCK - 1 if self.per_channel else 0)
 
+    @property
+    def window_text(self) -> str:
+        return f"{SINK_TOKENS} sink tokens" + (f" + a partial key block of up to {KEY_BLOCK - 1}" if self.per_channel else "")
+
+    def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
+        """Quantized entries in the cache the attention after this op reads, for each of the next ``n``
+        tokens (in one call, every row reads the cache as it is after the whole call)."""
+        after = self.len + (np.arange(1, n + 1) if stepwise else np.full(n, n))
+        rest = np.maximum(after - SINK_TOKENS, 0)
+        return rest // KEY_BLOCK * KEY_BLOCK if self.per_channel else rest
+
     def census(self) -> dict[str, int]:
         if not self.initialized:
             return {"tokens": 0, "quantized": 0, "full_precision": 0, "f32_bytes": 0}

@@ -155,6 +155,12 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
 
         return stepwise_loop(self, q, k, v, axis=2)
 
+    window_text = "no full-precision window"
+
+    def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
+        """Every cached token is read quantized, the call's own included."""
+        return self.len + (np.arange(1, n + 1) if stepwise else np.full(n, n))
+
     def census(self) -> dict[str, int]:
         return {"tokens": int(self.len), "quantized": int(self.len), "full_precision": 0,
                 "f32_bytes": 8 * self.b * self.hkv * self.len * self.d}

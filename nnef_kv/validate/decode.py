@@ -149,6 +149,95 @@ class InterpreterDecoder:
             self.cache = {i: out[o] for i, o in self.sig.cache_outputs.items()}
         return _last_logits(out[self.sig.logits_output])
 
+    # -- teacher-forced evaluation ----------------------------------------------------------------
+    def _feed(self, ids: Sequence[int]) -> dict[str, np.ndarray]:
+        feed = dict(self.cache)
+        feed[self.sig.ids_input] = np.asarray(ids, np.int64).reshape(1, -1)
+        return feed
+
+    def _logit_rows(self, out: dict[str, Any], n: int, what: str) -> np.ndarray:
+        a = np.asarray(out[self.sig.logits_output])
+        self.logits_dtype = str(a.dtype)
+        rows = a.reshape(-1, a.shape[-1]) if a.ndim else a.reshape(1, 1)
+        if rows.shape[0] < n:
+            raise InputError(f"{what}: the logits output '{self.sig.logits_output}' {list(a.shape)} gives "
+                             f"{rows.shape[0]} rows for {n} tokens: cannot tell each token's prediction")
+        return rows[-n:].astype(np.float32, copy=True)
+
+    def _nodes(self) -> list[Any]:
+        return [self.session.plan.step_nodes[i] for i in (self.capture or [])]
+
+    def prefill(self, ids: Sequence[int], chunk: int | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Feed ``ids`` in one call (or calls of ``chunk`` tokens): the last position's logits ``[V]`` and,
+        when capturing, each attention op's output for that position only (``[B, Hq, 1, D]``)."""
+        ids = [int(t) for t in ids]
+        size = len(ids) if not chunk else int(chunk)
+        parts = [ids[i:i + size] for i in range(0, len(ids), size)]
+        for part in parts[:-1]:
+            self._update(self.session.run(self._feed(part)))
+        last = parts[-1]
+        if self.capture:
+            out, caps = self.session.run(self._feed(last), capture=self._nodes(),
+                                         capture_map=lambda a: np.array(a[..., -1:, :], copy=True))
+            att = [caps[n.name] for n in self._nodes()]
+        else:
+            out, att = self.session.run(self._feed(last)), []
+        self._update(out)
+        return self._logit_rows(out, 1, "prefill")[0], att
+
+    def teacher(self, ids: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """Feed ``ids`` as one stepwise run (each token answered as a one-token call would have):
+        logits ``[n, V]`` and, when capturing, each attention op's output ``[B, Hq, n, D]``."""
+        n = len(ids)
+        if n == 0:
+            return np.zeros((0, 0), np.float32), []
+        if self.capture:
+            out, caps = self.session.run(self._feed(ids), capture=self._nodes(), stepwise=True)
+            att = [np.array(caps[nd.name], copy=True) for nd in self._nodes()]
+        else:
+            out, att = self.session.run(self._feed(ids), stepwise=True), []
+        self._update(out)
+        return self._logit_rows(out, n, "stepwise run"), att
+
+    def _update(self, out: dict[str, Any]) -> None:
+        if self.sig.explicit:
+            self.cache = {i: out[o] for i, o in self.sig.cache_outputs.items()}
+
+    def kv_ops(self) -> list[tuple[Any, Any]]:
+        """``(node, state)`` of every stateful node that holds keys/values (has a census)."""
+        return [(node, st) for (_, node), st in zip(self.session.plan.stateful, self.session.states)
+                if callable(getattr(st, "census", None))]
+
+    def quantized_ops(self) -> list[tuple[Any, Any]]:
+        return [(n, s) for n, s in self.kv_ops() if getattr(s, "QUANTIZED", False)]
+
+    def reads_quantized(self, n: int, stepwise: bool) -> np.ndarray:
+        """For each of the next ``n`` tokens, the most quantized entries one KV op will have it read
+        (0: that token's prediction read nothing quantized)."""
+        got = np.zeros(n, np.int64)
+        for _, st in self.quantized_ops():
+            got = np.maximum(got, np.asarray(st.reads_quantized(n, stepwise), np.int64))
+        return got
+
+    def census(self) -> list[dict[str, Any]]:
+        """Per KV op: its node, op, tokens held quantized and in full precision, bytes held and as f32."""
+        rows = []
+        for node, st in self.kv_ops():
+            c = st.census()
+            nb = st.nbytes() if callable(getattr(st, "nbytes", None)) else {}
+            held = int(nb.get("codes", 0) + nb.get("params", 0) + nb.get("full_precision", 0))
+            rows.append({"node": node.name, "op": node.op, "quantized": bool(getattr(st, "QUANTIZED", False)),
+                         "tokens": c["tokens"], "quantized_tokens": c["quantized"],
+                         "full_precision_tokens": c["full_precision"], "bytes": held,
+                         "bytes_f32": int(c.get("f32_bytes", 0))})
+        for name, arr in self.cache.items():
+            a = np.asarray(arr)
+            rows.append({"node": name, "op": "explicit cache input", "quantized": False,
+                         "tokens": int(a.shape[2]) if a.ndim == 4 else 0, "quantized_tokens": 0,
+                         "full_precision_tokens": int(a.shape[2]) if a.ndim == 4 else 0,
+                         "bytes": int(a.nbytes), "bytes_f32": 4 * int(a.size)})
+        return rows
+
     def kv_bytes(self) -> dict[str, int]:
         """Bytes of KV cache held at this point: the session's stateful ops plus explicit caches (f32 as fed)."""
         got = dict(self.session.kv_cache_bytes())
@@ -194,6 +283,26 @@ class TractDecoder:
         if self.sig.explicit:
             self.cache = {i: out[o] for i, o in self.sig.cache_outputs.items()}
         return _last_logits(out[self.sig.logits_output])
+
+    def prefill(self, ids: Sequence[int], chunk: int | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
+        ids = [int(t) for t in ids]
+        size = len(ids) if not chunk else int(chunk)
+        lg = None
+        for i in range(0, len(ids), size):
+            lg = self(np.asarray(ids[i:i + size]))
+        assert lg is not None
+        return lg, []
+
+    def teacher(self, ids: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        """One-token calls (tract has no stepwise run): logits ``[n, V]``."""
+        rows = [self(np.asarray([int(t)])) for t in ids]
+        return (np.stack(rows) if rows else np.zeros((0, 0), np.float32)), []
+
+    def reads_quantized(self, n: int, stepwise: bool) -> np.ndarray:
+        return np.zeros(n, np.int64)  # not observable in tract: validation counts them on nnef-kv's side
+
+    def census(self) -> list[dict[str, Any]]:
+        return []
 
 
 @dataclass

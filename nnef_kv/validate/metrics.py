@@ -5,7 +5,8 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["rel_l2", "log_softmax", "kl_divergence", "summary_stats", "KL_PERCENTILES"]
+__all__ = ["rel_l2", "log_softmax", "kl_divergence", "summary_stats", "KL_PERCENTILES", "mean_stderr", "token_measures",
+           "nll_of"]
 
 #: Percentiles of the per-token KL reported, as llama.cpp's ``perplexity --kl-divergence`` does (1, 5, 10 %,
 #: median, 90, 95, 99, 99.9 %), with mean, min and max.
@@ -50,3 +51,35 @@ def summary_stats(values: Iterable[float], percentiles: Sequence[float] = KL_PER
     for p in percentiles:
         out[f"p{p:g}"] = float(np.percentile(a, p))
     return out
+
+
+def mean_stderr(values: Sequence[float]) -> tuple[float, float]:
+    """Mean and its standard error ``sqrt(var / (n - 1))``, as llama.cpp's ``perplexity`` reports them
+    (stderr NaN for fewer than two values)."""
+    a = np.asarray(values, np.float64)
+    if a.size == 0:
+        return float("nan"), float("nan")
+    m = float(a.mean())
+    if a.size < 2:
+        return m, float("nan")
+    return m, float(np.sqrt(max(float(np.mean(a * a)) - m * m, 0.0) / (a.size - 1)))
+
+
+def token_measures(ref_logits: np.ndarray, logits: np.ndarray, targets: Sequence[int]) -> dict[str, np.ndarray]:
+    """Per evaluated token (rows): ``kl`` = KL(p_ref || p) (nats), ``top1`` (argmaxes equal), ``nll_reference``
+    and ``nll`` (-log p of the true next token), ``dp`` = p(true) - p_ref(true)."""
+    lp_ref = log_softmax(ref_logits)
+    lp = log_softmax(logits)
+    t = np.asarray(targets, np.int64)
+    rows = np.arange(len(t))
+    kl = np.maximum(np.sum(np.exp(lp_ref) * (lp_ref - lp), axis=-1), 0.0)
+    return {"kl": kl, "top1": np.argmax(ref_logits, -1) == np.argmax(logits, -1),
+            "nll_reference": -lp_ref[rows, t], "nll": -lp[rows, t],
+            "dp": np.exp(lp[rows, t]) - np.exp(lp_ref[rows, t])}
+
+
+def nll_of(logits: np.ndarray, targets: Sequence[int]) -> np.ndarray:
+    """-log p of each row's true next token."""
+    lp = log_softmax(logits)
+    t = np.asarray(targets, np.int64)
+    return -lp[np.arange(len(t)), t]

@@ -1,5 +1,10 @@
 """Writing a validation report: ``report.json``, ``report.md`` and ``report.png`` (matplotlib, Agg),
-each written atomically."""
+each written atomically.
+
+``report.json`` holds one object per measured context under ``contexts`` (keys listed in the README:
+``context``, ``eval_tokens``, ``kl_mean``, ``kl_p99``, ``top1_agreement``, ``ppl_reference``, ``ppl``,
+``quantized_tokens``, ``full_precision_tokens``, ``kv_bytes``, ``kv_bytes_f32`` ... and ``per_token``)
+and a top-level ``verdict`` (``measured`` / ``pass`` / ``fail``)."""
 from __future__ import annotations
 
 import io
@@ -8,12 +13,15 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ..atomic import atomic_write
 from .runner import ValidationReport
 
-__all__ = ["write_report", "render_markdown", "render_plot", "REPORT_FILES"]
+__all__ = ["write_report", "render_markdown", "render_plot", "render_json", "REPORT_FILES", "format_summary"]
 
 REPORT_FILES = ("report.json", "report.md", "report.png")
+KL_FLOOR = 1e-12  # KL values below this are drawn at it (log axis), with their own marker
 
 
 def _json_safe(x: Any) -> Any:
@@ -28,25 +36,76 @@ def _json_safe(x: Any) -> Any:
     return x
 
 
-def _f(x: Any, spec: str = ".4g") -> str:
+def render_json(rep: ValidationReport) -> str:
+    return json.dumps(_json_safe(rep.to_dict()), indent=1)
+
+
+def _g(x: Any, spec: str = ".4g") -> str:
     if x is None:
         return "-"
     if isinstance(x, float):
+        if math.isnan(x):
+            return "nan"
         return format(x, spec)
     return str(x)
 
 
+def _pm(v: Any, e: Any, spec: str = ".4g", scale: float = 1.0, unit: str = "") -> str:
+    if v is None:
+        return "-"
+    s = format(v * scale, spec) + unit
+    if e is not None and isinstance(e, float) and math.isfinite(e):
+        s += f" ± {format(e * scale, spec)}{unit}"
+    return s
+
+
+def format_summary(s: dict[str, Any]) -> list[tuple[str, str]]:
+    """A context's figures as (label, value) rows, llama.cpp ``perplexity --kl-divergence`` style."""
+    rows = [("positions", f"{s['context']} prefilled" + (f" in chunks of {s['chunk']}" if s["chunk"] else " in one call")
+             + f", then {s['eval_tokens']} predictions (tokens {s['context']}..{s['context'] + s['eval_tokens'] - 1})")]
+    if "kl_mean" in s:
+        rows += [("Mean PPL(Q)", _pm(s["ppl"], s["ppl_stderr"])), ("Mean PPL(base)", _pm(s["ppl_reference"], s["ppl_reference_stderr"])),
+                 ("Mean ln(PPL(Q)/PPL(base))", _pm(s["ln_ppl_ratio"], s["ln_ppl_ratio_stderr"])),
+                 ("Mean PPL(Q)/PPL(base)", _g(s["ppl_ratio"])),
+                 ("Mean KLD", _pm(s["kl_mean"], s["kl_mean_stderr"])), ("Maximum KLD", _g(s["kl_max"])),
+                 ("99.9% KLD", _g(s["kl_p99_9"])), ("99.0% KLD", _g(s["kl_p99"])), ("90.0% KLD", _g(s["kl_p90"])),
+                 ("Median KLD", _g(s["kl_median"])), ("Minimum KLD", _g(s["kl_min"])),
+                 ("RMS Δp", _g(s["rms_dp"] * 100, ".3f") + " %"),
+                 ("Same top p", _pm(s["top1_agreement"], s["top1_agreement_stderr"], ".3f", 100, " %"))]
+        att = s.get("attention_deviation")
+        rows.append(("attention deviation (mean / worst)", "-" if not att else f"{att['mean']:.4g} / {att['max']:.4g}"))
+    else:
+        rows.append(("Mean PPL(Q)", _pm(s["ppl"], s["ppl_stderr"]) + " (no reference: no KL)"))
+    rows += [("tokens held quantized / full precision (per KV op)", f"{s['quantized_tokens']} / {s['full_precision_tokens']}"),
+             ("evaluated tokens reading quantized entries", f"{s['tokens_reading_quantized']} of {s['eval_tokens']}"
+              + ("" if s["first_quantized_read"] is None else f" (from position {s['context'] + s['first_quantized_read']})")),
+             ("KV bytes held / as f32", f"{s['kv_bytes']:,} / {s['kv_bytes_f32']:,}"
+              + ("" if s["kv_ratio"] is None else f" (ratio {s['kv_ratio']:.3f})"))]
+    return rows
+
+
 def render_markdown(rep: ValidationReport) -> str:
-    d = rep.to_dict()
-    lines = [f"# nnef-kv validation: `{rep.archive}`", ""]
+    lines = [f"# nnef-kv validation: `{rep.archive}`", "", f"**Verdict: {rep.verdict.upper()}**", ""]
     if rep.reference:
-        lines.append(f"Reference (f32): `{rep.reference}`")
-        lines.append("")
-    lines.append(f"**Result: {'PASS' if rep.ok else 'FAIL'}**")
-    lines += [f"\n> {n}" for n in rep.notes]
+        lines.append(f"- reference (f32): `{rep.reference}`")
+    lines.append(f"- tokens: {rep.tokens}")
+    lines.append(f"- KV scheme: {rep.scheme}")
+    lines += [f"- note: {n}" for n in rep.notes]
     lines += ["", "| check | result | detail |", "|---|---|---|"]
     for c in rep.checks:
         lines.append(f"| {c.name} | {'ok' if c.ok else 'FAILED'} | {c.detail} |")
+    for res in rep.contexts:
+        s = res.summary()
+        lines += ["", f"## context {res.context}", "", "| measure | value |", "|---|---|"]
+        lines += [f"| {a} | {b} |" for a, b in format_summary(s)]
+        att = s.get("attention_deviation")
+        if att:
+            lines += ["", f"Attention deviation: {res.attention_note}.", "", "| layer | mean | worst |", "|---|---|---|"]
+            lines += [f"| {i} | {m:.4g} | {w:.4g} |" for i, (m, w) in enumerate(zip(att["per_layer_mean"], att["per_layer_max"]))]
+        lines += ["", "| KV op | node | tokens | quantized | full precision | bytes held | as f32 |", "|---|---|---|---|---|---|---|"]
+        for c in res.archive.census:
+            lines.append(f"| {c['op']} | `{c['node']}` | {c['tokens']} | {c['quantized_tokens']} | {c['full_precision_tokens']} "
+                         f"| {c['bytes']:,} | {c['bytes_f32']:,} |")
     p = rep.parity
     lines += ["", "## tract parity", ""]
     if p is None:
@@ -55,74 +114,81 @@ def render_markdown(rep: ValidationReport) -> str:
         lines.append(f"{p.status}: {p.reason}")
     else:
         lines.append(f"{p.status}: max |logits - tract| = {p.max_abs:.3g} ({p.max_rel:.3g} of the largest logit) over "
-                     f"{p.calls} calls; argmax agreement {p.argmax_agreement:.3f}")
+                     f"{p.calls} tokens (tolerance {p.atol:g} + {p.rtol:g} x max |logit|); argmax agreement "
+                     f"{p.argmax_agreement:.3f}")
     if rep.round_trip is not None:
         rt = rep.round_trip
         lines += ["", "## archive round trip", "",
                   f"{'ok' if rt.ok else 'FAILED'}: {rt.tensors} tensors, {rt.members} members, {rt.written_bytes:,} "
                   f"bytes written (sha256 `{rt.sha256[:16]}...`)"]
         lines += [f"- {pr}" for pr in rt.problems]
-    c = d["numeric_cost"]
-    if c is not None:
-        kl = c["kl"]
-        att = c["attention_deviation"]
-        lines += ["", "## numeric cost vs the f32 reference", "",
-                  f"Decode: prompt of {c['n_prompt']} tokens then {c['calls'] - 1} one-token calls "
-                  "(teacher forced on the reference's greedy tokens).", "",
-                  "| measure | value |", "|---|---|",
-                  f"| attention deviation, worst (rel. L2) | {_f(att['max'])} |",
-                  f"| attention deviation, mean | {_f(att['mean'])} |",
-                  f"| logits rel. L2, mean / max | {_f(c['logits_rel_l2'].get('mean'))} / {_f(c['logits_rel_l2'].get('max'))} |",
-                  f"| greedy-token agreement | {c['token_agreement']:.4f} |",
-                  f"| KL(p_ref ‖ p) mean (nats) | {_f(kl.get('mean'))} |",
-                  f"| KL median / p90 / p99 / max | {_f(kl.get('p50'))} / {_f(kl.get('p90'))} / {_f(kl.get('p99'))} / "
-                  f"{_f(kl.get('max'))} |",
-                  f"| KV bytes (this archive) | {c['kv_bytes'].get('total', 0):,} |",
-                  f"| KV bytes (f32 reference) | {c['reference_kv_bytes'].get('total', 0):,} |",
-                  f"| KV ratio vs f32 | {_f(c['kv_ratio'], '.3f')} |"]
-        lines += ["", f"Attention deviation: {att['what']}."]
-        if att["per_layer_mean"]:
-            lines += ["", "| layer | mean deviation | worst deviation |", "|---|---|---|"]
-            for i, (m, w) in enumerate(zip(att["per_layer_mean"], att["per_layer_max"])):
-                lines.append(f"| {i} | {m:.4g} | {w:.4g} |")
-    elif rep.trace_kv_bytes:
-        lines += ["", f"KV bytes at the end of the decode: {rep.trace_kv_bytes.get('total', 0):,} "
-                      "(no reference given: no numeric cost)"]
-    lines += ["", "![per-step deviation](report.png)", ""]
+    lines += ["", "![KL, top-1 and attention deviation per evaluated token](report.png)", ""]
     return "\n".join(lines)
 
 
 def render_plot(rep: ValidationReport) -> bytes:
-    """A PNG: attention deviation per layer, logits deviation and KL per decode call."""
+    """Per context: KL(p_ref || p) per evaluated token (log axis) with top-1 disagreements marked, and
+    each layer's attention deviation; a line where quantized entries start to be read, threshold lines."""
     import matplotlib
 
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
-    c = rep.cost
-    if c is None:
-        for ax in axes:
+    rows = max(1, len(rep.contexts))
+    fig, axes = plt.subplots(rows, 2, figsize=(13, 3.4 * rows + 0.6), squeeze=False)
+    thr = rep.options.thresholds
+    for r, res in enumerate(rep.contexts):
+        ax_kl, ax_att = axes[r]
+        pos = np.asarray(res.positions)
+        first = res.first_quantized_read
+        tm = res.token_measures()
+        if tm is not None:
+            kl = np.asarray(tm["kl"], np.float64)
+            low = kl < KL_FLOOR
+            ax_kl.semilogy(pos[~low], kl[~low], ".-", lw=0.8, ms=3, color="tab:green", label="KL(p_ref || p)")
+            if low.any():
+                ax_kl.semilogy(pos[low], np.full(int(low.sum()), KL_FLOOR), "v", ms=4, mfc="none", color="tab:green",
+                               label=f"KL < {KL_FLOOR:g} (drawn at {KL_FLOOR:g})")
+            miss = ~np.asarray(tm["top1"])
+            if miss.any():
+                ax_kl.semilogy(pos[miss], np.maximum(kl[miss], KL_FLOOR), "x", ms=6, color="tab:red",
+                               label=f"top-1 differs ({int(miss.sum())} of {len(miss)})")
+            if "max_kl" in thr:
+                ax_kl.axhline(max(thr["max_kl"], KL_FLOOR), color="k", ls=":", lw=1, label=f"--max-kl {thr['max_kl']:g}")
+            ax_kl.set_ylabel("KL (nats)")
+        else:
+            ax_kl.plot(pos, nll_rows(res), ".-", lw=0.8, ms=3, label="NLL of the true token")
+            ax_kl.set_ylabel("NLL (nats)")
+        ax_kl.set_xlabel("token position")
+        ax_kl.set_title(f"context {res.context}: per-token divergence", fontsize=9)
+        dev = res.attention_deviation()
+        if dev is not None:
+            for layer in range(dev.shape[1]):
+                ax_att.plot(pos, dev[:, layer], lw=0.9, label=f"layer {layer}" if dev.shape[1] <= 12 else None)
+            if "max_attention_deviation" in thr:
+                ax_att.axhline(thr["max_attention_deviation"], color="k", ls=":", lw=1,
+                               label=f"--max-attention-deviation {thr['max_attention_deviation']:g}")
+        else:
+            ax_att.text(0.5, 0.5, res.attention_note or "no reference: no attention deviation", ha="center",
+                        va="center", transform=ax_att.transAxes, fontsize=8, wrap=True)
+        ax_att.set_xlabel("token position")
+        ax_att.set_ylabel("attention deviation (rel. L2)")
+        ax_att.set_title(f"context {res.context}: attention deviation per layer", fontsize=9)
+        for ax in (ax_kl, ax_att):
+            if first is not None:
+                ax.axvline(res.context + first, color="tab:purple", ls="--", lw=1,
+                           label="quantized entries read from here")
+            else:
+                ax.text(0.02, 0.95, "no token read a quantized entry", transform=ax.transAxes, fontsize=8,
+                        va="top", color="tab:red")
+            handles, labels = ax.get_legend_handles_labels()
+            if handles:
+                ax.legend(fontsize=7, loc="best")
+    if not rep.contexts:
+        for ax in axes[0]:
             ax.axis("off")
-        axes[1].text(0.5, 0.5, "no reference: no numeric cost", ha="center", va="center")
-    else:
-        calls = list(range(c.calls))
-        ax = axes[0]
-        if c.attention:
-            for layer in range(len(c.attention[0])):
-                ax.plot(calls, [row[layer] for row in c.attention], label=f"layer {layer}", lw=1)
-            if len(c.attention[0]) <= 8:
-                ax.legend(fontsize=7)
-        ax.set_title("attention deviation (rel. L2)")
-        ax.set_xlabel("decode call")
-        axes[1].plot(calls, c.logits_rel_l2, color="tab:orange", lw=1)
-        axes[1].set_title("logits deviation (rel. L2)")
-        axes[1].set_xlabel("decode call")
-        kl = [max(k, 1e-12) for k in c.kl]
-        axes[2].semilogy(calls, kl, color="tab:green", lw=1)
-        axes[2].set_title("KL(p_ref || p), nats")
-        axes[2].set_xlabel("decode call")
-    fig.suptitle(Path(rep.archive).name, fontsize=9)
+        axes[0][0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
+    fig.suptitle(f"{Path(rep.archive).name} - {rep.scheme} - verdict {rep.verdict.upper()}", fontsize=10)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90)
@@ -130,12 +196,18 @@ def render_plot(rep: ValidationReport) -> bytes:
     return buf.getvalue()
 
 
+def nll_rows(res: Any) -> np.ndarray:
+    from .metrics import nll_of
+
+    return nll_of(res.archive.logits, res.targets)
+
+
 def write_report(rep: ValidationReport, out_dir: str | Path) -> list[Path]:
     """Write the three report files into ``out_dir`` (created if needed); returns their paths."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     payloads = {
-        "report.json": json.dumps(_json_safe(rep.to_dict()), indent=1).encode(),
+        "report.json": render_json(rep).encode(),
         "report.md": render_markdown(rep).encode(),
         "report.png": render_plot(rep),
     }
@@ -145,3 +217,4 @@ def write_report(rep: ValidationReport, out_dir: str | Path) -> list[Path]:
             f.write(data)
         paths.append(out / name)
     return paths
+

@@ -1,25 +1,36 @@
-"""``nnef-kv validate``: round trip, tract parity and numeric cost against an f32 reference.
+"""``nnef-kv validate``: what a quantized KV cache costs on the user's model and text, where it acts.
 
-What is measured (numeric cost, over one decode run: a prompt call then ``steps`` one-token calls):
+For each context length ``L`` (``contexts``, or a default long enough that most of the context is
+quantized), in the archive and in the reference (the f32 archive it was converted from):
 
-* the **reference** (f32 archive) decodes greedily; the archive under test is fed the *same* tokens
-  (teacher forcing), so step ``i`` of both sees the same text;
-* **attention deviation**: for each call and each layer, the relative L2 distance
-  ``||a - a_ref|| / ||a_ref||`` between the output of the layer's attention op (fused op or
-  ``softmax(.) @ V``, shape ``[B, Hq, Sq, D]``) in the archive and in the reference. Each model runs on
-  its own hidden states, so deviation accumulates through layers and steps, as in real use;
-* **logits deviation**: relative L2 and max |diff| of the last-position logits of each call;
-* **greedy-token agreement**: fraction of calls whose argmax equals the reference's argmax;
-* **KL divergence** ``KL(p_ref || p)`` of the next-token distributions (softmax of the logits, nats),
-  per call, summarised as mean, median, p90/p95/p99/p99.9 and max (llama.cpp ``perplexity
-  --kl-divergence`` style);
-* **KV bytes** held at the end of the run (codes + params + full-precision parts), and the f32
-  reference's KV bytes at the same length.
+1. prefill the first ``L`` tokens of the text in one call (or calls of ``chunk`` tokens);
+2. teacher-force the next ``eval_tokens - 1`` tokens of the text in one *stepwise* run
+   (:meth:`Session.run` with ``stepwise=True``: each answered exactly as a one-token call would be,
+   every weight product run once);
+3. so ``eval_tokens`` predictions are measured: those of tokens ``L .. L+N-1`` (the prefill's last
+   position predicts token ``L``).
+
+At every evaluated token: ``KL(p_ref || p)``, whether the top-1 tokens agree, the NLL of the true next
+token under both (perplexity of each and their ratio), the per-layer attention deviation (relative L2
+of each attention op's output for that token against the reference's), and how many quantized
+entries the token's attention read. Per context: the tokens each KV op holds quantized and in full
+precision, and the KV bytes against an f32 cache of the same length. Reported as llama.cpp's
+``llama-perplexity --kl-divergence`` does (mean KLD with its standard error, median, p90/p99/max,
+"same top" %, ppl and ppl ratio).
+
+No vacuous verdicts: a context whose evaluated tokens read no quantized entry fails the check
+"quantized entries read" (``validate`` exits 1, saying which context and the window it fits in);
+without thresholds the verdict is ``measured``, never ``pass``. The reference must be the same model:
+refused when its weights differ from the archive's (``allow_different_weights`` to override) or when it
+holds quantized KV ops itself. Every refusal happens before any decoding.
 """
 from __future__ import annotations
 
+import hashlib
+import math
 import os
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -27,27 +38,74 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from ..errors import InputError, NnefKvError
-from .decode import DecodeTrace, InterpreterDecoder, TractDecoder, run_decode, tract_available
-from .metrics import kl_divergence, rel_l2, summary_stats
+from .decode import InterpreterDecoder, TractDecoder, tract_available
+from .metrics import KL_PERCENTILES, mean_stderr, nll_of, rel_l2, summary_stats, token_measures
 from .roundtrip import RoundTripResult, check_round_trip
 
-__all__ = ["ValidateOptions", "NumericCost", "ParityResult", "Check", "ValidationReport", "validate_model",
-           "numeric_cost", "tract_parity", "default_prompt", "reference_trace"]
+__all__ = ["ValidateOptions", "Check", "ParityResult", "ContextResult", "Measurement", "ValidationReport",
+           "validate_model", "resolve_contexts", "max_positions", "vocab_size", "check_same_model",
+           "DEFAULT_CONTEXT_FLOOR", "THRESHOLDS"]
+
+#: the default context is at least this long, and 8 x the KV ops' full-precision window
+DEFAULT_CONTEXT_FLOOR = 256
+#: threshold option -> (report key, "max" or "min", what it bounds)
+THRESHOLDS = {
+    "max_kl": ("kl_mean", "max", "mean KL(p_ref || p), nats"),
+    "min_token_agreement": ("top1_agreement", "min", "same top-1 token, fraction"),
+    "max_ppl_ratio": ("ppl_ratio", "max", "ppl / ppl_reference"),
+    "max_attention_deviation": ("attention_deviation_max", "max", "worst per-layer attention deviation"),
+}
 
 
 @dataclass
 class ValidateOptions:
-    steps: int = 32
-    prompt_ids: list[int] | None = None
-    prompt_len: int = 16
-    seed: int = 0
-    max_attention_deviation: float | None = None  # worst (max over calls and layers)
+    contexts: list[int] | None = None  # None: the default (see resolve_contexts)
+    eval_tokens: int = 64
+    chunk: int | None = None  # prefill in calls of this many tokens (None: one call)
+    max_kl: float | None = None
     min_token_agreement: float | None = None
-    max_kl: float | None = None  # mean KL over calls
+    max_ppl_ratio: float | None = None
+    max_attention_deviation: float | None = None
     parity: bool = True
+    parity_atol: float | None = None  # None: from the archive's dtype (f32 1e-4, f16 1e-3)
+    parity_rtol: float | None = None  # of the largest |logit| (f32 1e-3, f16 2e-2)
     round_trip: bool = True
-    parity_atol: float = 1e-4
-    parity_rtol: float = 1e-3  # of the largest |logit| tract returned
+    allow_different_weights: bool = False
+
+    def check(self, names: dict[str, str] | None = None) -> "ValidateOptions":
+        """InputError for a value no run can use (named as ``names`` maps it: the CLI's options)."""
+        nm = names or {}
+
+        def label(k: str) -> str:
+            return nm.get(k, k)
+
+        for k in ("eval_tokens", "chunk"):
+            v = getattr(self, k)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
+                raise InputError(f"{label(k)} {v}: must be an integer >= 1")
+        if self.contexts is not None:
+            if not self.contexts:
+                raise InputError(f"{label('contexts')}: no context length given")
+            for c in self.contexts:
+                if isinstance(c, bool) or not isinstance(c, (int, np.integer)) or c < 1:
+                    raise InputError(f"{label('contexts')} {c}: a context is a number of tokens >= 1")
+        for k in (*THRESHOLDS, "parity_atol", "parity_rtol"):
+            v = getattr(self, k)
+            if v is None:
+                continue
+            if not isinstance(v, (int, float, np.floating)) or isinstance(v, bool):
+                raise InputError(f"{label(k)} {v!r}: a number is expected")
+            if math.isnan(v):
+                raise InputError(f"{label(k)} {v}: not a number")
+            if v < 0:
+                raise InputError(f"{label(k)} {v}: must be >= 0")
+            if k == "min_token_agreement" and v > 1:
+                raise InputError(f"{label(k)} {v}: a fraction, in [0, 1]")
+        return self
+
+    @property
+    def thresholds(self) -> dict[str, float]:
+        return {k: float(getattr(self, k)) for k in THRESHOLDS if getattr(self, k) is not None}
 
 
 @dataclass
@@ -62,12 +120,11 @@ class Check:
 
 @dataclass
 class ParityResult:
-    """Our interpreter vs tract on the same decode.
+    """nnef-kv vs tract on the same teacher-forced tokens (the first context).
 
-    ``status``: ``ok``; ``mismatch`` (logits differ beyond tolerance); ``error`` (tract refused or failed to
-    run an archive made of ops it should know: a failed check); ``skipped`` (tract not installed, or the
-    archive uses nnef-kv's own ops, which tract does not implement).
-    """
+    ``status``: ``ok``; ``mismatch`` (logits differ beyond tolerance); ``error`` (tract refused or failed
+    an archive made of ops it knows: a failed check); ``skipped`` (tract not installed, or the archive
+    uses nnef-kv's own ops, which tract does not implement)."""
 
     status: str
     reason: str = ""
@@ -75,80 +132,143 @@ class ParityResult:
     max_abs: float = 0.0
     max_rel: float = 0.0
     argmax_agreement: float = 0.0
-    per_call_max_abs: list[float] = field(default_factory=list)
+    atol: float = 0.0
+    rtol: float = 0.0
     seconds: float = 0.0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"status": self.status, "reason": self.reason, "calls": self.calls, "seconds": self.seconds,
-                "max_abs": self.max_abs,
-                "max_rel": self.max_rel, "argmax_agreement": self.argmax_agreement,
-                "per_call_max_abs": self.per_call_max_abs}
+        return dict(self.__dict__)
 
 
 @dataclass
-class NumericCost:
-    calls: int
-    tokens: list[int]
-    n_prompt: int
-    layers: int
-    attention: list[list[float]] | None  # [call][layer]
-    attention_note: str
-    logits_rel_l2: list[float]
-    logits_max_abs: list[float]
-    kl: list[float]
-    ref_tokens: list[int]
-    tokens_pred: list[int]
-    kv_bytes: dict[str, int]
-    ref_kv_bytes: dict[str, int]
+class Measurement:
+    """One model on one context: the ``N`` predictions and what the KV ops held."""
+
+    logits: np.ndarray  # [N, V] f32
+    attention: list[np.ndarray]  # per attention op: [B, Hq, N, D]
+    reads: np.ndarray  # [N] quantized entries read (the most over KV ops)
+    census: list[dict[str, Any]]
+    kv_bytes: int
+    kv_bytes_f32: int
+    seconds: float
+    logits_dtype: str = "float32"
+
+
+@dataclass
+class ContextResult:
+    context: int
+    eval_tokens: int
+    chunk: int | None
+    targets: list[int]
+    archive: Measurement
+    reference: Measurement | None = None
+    attention_note: str = ""
+
+    # -- per token ---------------------------------------------------------------------------
+    @property
+    def positions(self) -> list[int]:
+        """Position of each predicted token (the first is ``context``)."""
+        return [self.context + i for i in range(self.eval_tokens)]
+
+    def token_measures(self) -> dict[str, np.ndarray] | None:
+        if self.reference is None:
+            return None
+        return token_measures(self.reference.logits, self.archive.logits, self.targets)
+
+    def attention_deviation(self) -> np.ndarray | None:
+        """``[N, layers]`` relative L2 of each attention op's output for each evaluated token."""
+        r = self.reference
+        if r is None or not r.attention or len(r.attention) != len(self.archive.attention):
+            return None
+        rows = []
+        for a, b in zip(self.archive.attention, r.attention):
+            if a.shape != b.shape:
+                return None
+            rows.append([rel_l2(a[:, :, j], b[:, :, j]) for j in range(self.eval_tokens)])
+        return np.asarray(rows, np.float64).T
+
+    # -- summary -----------------------------------------------------------------------------
+    def quantized_ops(self) -> list[dict[str, Any]]:
+        return [c for c in self.archive.census if c["quantized"]]
 
     @property
-    def token_agreement(self) -> float:
-        return float(np.mean([a == b for a, b in zip(self.ref_tokens, self.tokens_pred)])) if self.ref_tokens else 0.0
+    def quantized_tokens(self) -> int:
+        """Tokens held quantized by every quantized KV op (the least over them; 0 when there is none)."""
+        q = self.quantized_ops()
+        return min((c["quantized_tokens"] for c in q), default=0)
 
     @property
-    def attention_max(self) -> float | None:
-        return None if not self.attention else float(np.max(self.attention))
+    def full_precision_tokens(self) -> int:
+        q = self.quantized_ops()
+        return max((c["full_precision_tokens"] for c in q), default=max(
+            (c["full_precision_tokens"] for c in self.archive.census), default=0))
 
     @property
-    def attention_mean(self) -> float | None:
-        return None if not self.attention else float(np.mean(self.attention))
+    def reads_quantized(self) -> int:
+        """Evaluated tokens whose attention read at least one quantized entry."""
+        return int(np.count_nonzero(self.archive.reads))
 
     @property
-    def kv_ratio(self) -> float | None:
-        ref = self.ref_kv_bytes.get("total", 0)
-        return None if not ref else self.kv_bytes.get("total", 0) / ref
+    def first_quantized_read(self) -> int | None:
+        """Index (among the evaluated tokens) of the first one that read a quantized entry."""
+        nz = np.nonzero(self.archive.reads)[0]
+        return int(nz[0]) if nz.size else None
 
-    def kl_stats(self) -> dict[str, float]:
-        return summary_stats(self.kl)
+    def summary(self) -> dict[str, Any]:
+        a = self.archive
+        out: dict[str, Any] = {
+            "context": self.context, "eval_tokens": self.eval_tokens, "chunk": self.chunk,
+            "quantized_tokens": self.quantized_tokens, "full_precision_tokens": self.full_precision_tokens,
+            "tokens_reading_quantized": self.reads_quantized, "first_quantized_read": self.first_quantized_read,
+            "kv_bytes": a.kv_bytes, "kv_bytes_f32": a.kv_bytes_f32,
+            "kv_ratio": (a.kv_bytes / a.kv_bytes_f32) if a.kv_bytes_f32 else None,
+        }
+        nll = nll_of(a.logits, self.targets)
+        m, se = mean_stderr(nll)
+        out.update({"ppl": math.exp(m), "ppl_stderr": math.exp(m) * se})
+        tm = self.token_measures()
+        if tm is None:
+            return out
+        kl = tm["kl"]
+        km, kse = mean_stderr(kl)
+        stats = summary_stats(kl, KL_PERCENTILES)
+        top = tm["top1"].astype(np.float64)
+        tmn, tse = mean_stderr(top)
+        rm, rse = mean_stderr(tm["nll_reference"])
+        lr, lrse = mean_stderr(tm["nll"] - tm["nll_reference"])
+        out.update({
+            "kl_mean": km, "kl_mean_stderr": kse, "kl_median": stats["p50"], "kl_p90": stats["p90"],
+            "kl_p99": stats["p99"], "kl_p99_9": stats["p99.9"], "kl_max": stats["max"], "kl_min": stats["min"],
+            "top1_agreement": tmn, "top1_agreement_stderr": tse,
+            "ppl_reference": math.exp(rm), "ppl_reference_stderr": math.exp(rm) * rse,
+            "ppl_ratio": math.exp(lr), "ln_ppl_ratio": lr, "ln_ppl_ratio_stderr": lrse,
+            "rms_dp": float(np.sqrt(np.mean(tm["dp"] ** 2))),
+        })
+        dev = self.attention_deviation()
+        out["attention_deviation"] = None if dev is None else {
+            "per_layer_mean": [float(x) for x in dev.mean(axis=0)], "per_layer_max": [float(x) for x in dev.max(axis=0)],
+            "mean": float(dev.mean()), "max": float(dev.max())}
+        out["attention_deviation_max"] = None if dev is None else float(dev.max())
+        return out
 
     def to_dict(self) -> dict[str, Any]:
-        att = self.attention
-        per_layer = None if not att else [float(x) for x in np.mean(np.asarray(att), axis=0)]
-        per_layer_max = None if not att else [float(x) for x in np.max(np.asarray(att), axis=0)]
-        steps = []
-        for i in range(self.calls):
-            steps.append({
-                "call": i,
-                "positions": self.n_prompt + i,  # tokens in the cache after this call
-                "attention_deviation": None if not att else att[i],
-                "logits_rel_l2": self.logits_rel_l2[i],
-                "logits_max_abs": self.logits_max_abs[i],
-                "kl": self.kl[i],
-                "reference_token": self.ref_tokens[i],
-                "token": self.tokens_pred[i],
-            })
-        return {
-            "calls": self.calls, "n_prompt": self.n_prompt, "tokens": self.tokens, "layers": self.layers,
-            "attention_deviation": {"max": self.attention_max, "mean": self.attention_mean,
-                                    "per_layer_mean": per_layer, "per_layer_max": per_layer_max,
-                                    "what": self.attention_note},
-            "logits_rel_l2": summary_stats(self.logits_rel_l2, ()),
-            "logits_max_abs": float(max(self.logits_max_abs)) if self.logits_max_abs else 0.0,
-            "token_agreement": self.token_agreement,
-            "kl": self.kl_stats(),
-            "kv_bytes": self.kv_bytes, "reference_kv_bytes": self.ref_kv_bytes, "kv_ratio": self.kv_ratio,
-            "steps": steps,
-        }
+        d = self.summary()
+        tm = self.token_measures()
+        dev = self.attention_deviation()
+        per = {"position": self.positions, "target": list(self.targets),
+               "reads_quantized": [int(x) for x in self.archive.reads],
+               "nll": [float(x) for x in nll_of(self.archive.logits, self.targets)]}
+        if tm is not None:
+            per.update({"kl": [float(x) for x in tm["kl"]], "top1": [bool(x) for x in tm["top1"]],
+                        "nll_reference": [float(x) for x in tm["nll_reference"]]})
+        if dev is not None:
+            per["attention_deviation"] = [[float(x) for x in row] for row in dev]
+        d["attention_note"] = self.attention_note
+        d["kv_ops"] = self.archive.census
+        d["seconds"] = {"archive": self.archive.seconds,
+                        **({"reference": self.reference.seconds} if self.reference is not None else {})}
+        d["per_token"] = per
+        return d
 
 
 @dataclass
@@ -156,51 +276,217 @@ class ValidationReport:
     archive: str
     reference: str | None
     options: ValidateOptions
+    tokens: str = ""  # where the tokens came from
+    n_tokens: int = 0
+    kv_ops: list[dict[str, Any]] = field(default_factory=list)  # the archive's KV ops and their settings
     round_trip: RoundTripResult | None = None
     parity: ParityResult | None = None
-    cost: NumericCost | None = None
+    contexts: list[ContextResult] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
-    trace_kv_bytes: dict[str, int] = field(default_factory=dict)
-    prompt: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
-    seconds: dict[str, float] = field(default_factory=dict)  # decode wall time per run (nnef-kv interpreter)
 
     @property
     def ok(self) -> bool:
         return all(c.ok for c in self.checks)
 
+    @property
+    def verdict(self) -> str:
+        """``fail`` (a check failed), ``pass`` (thresholds were given and all hold) or ``measured``."""
+        if not self.ok:
+            return "fail"
+        return "pass" if self.options.thresholds else "measured"
+
+    @property
+    def scheme(self) -> str:
+        """A short description of the archive's KV scheme (op and bits), for titles."""
+        if not self.kv_ops:
+            return "no quantized KV op"
+        seen: list[str] = []
+        for k in self.kv_ops:
+            txt = k["op"] + (f" {k['settings']}" if k.get("settings") else "")
+            if txt not in seen:
+                seen.append(txt)
+        return "; ".join(seen)
+
     def to_dict(self) -> dict[str, Any]:
         o = self.options
         return {
-            "format": "nnef-kv-validation", "version": 1,
-            "archive": self.archive, "reference": self.reference, "ok": self.ok, "prompt": self.prompt,
-            "notes": list(self.notes), "decode_seconds": dict(self.seconds),
-            "options": {"steps": o.steps, "prompt_ids": o.prompt_ids, "max_attention_deviation": o.max_attention_deviation,
-                        "min_token_agreement": o.min_token_agreement, "max_kl": o.max_kl,
-                        "parity_atol": o.parity_atol, "parity_rtol": o.parity_rtol},
-            "checks": [c.to_dict() for c in self.checks],
+            "format": "nnef-kv-validation", "version": 2, "verdict": self.verdict,
+            "archive": self.archive, "reference": self.reference, "scheme": self.scheme,
+            "tokens": self.tokens, "n_tokens": self.n_tokens, "kv_ops": self.kv_ops,
+            "options": {"contexts": o.contexts, "eval_tokens": o.eval_tokens, "chunk": o.chunk,
+                        **{k: getattr(o, k) for k in THRESHOLDS}, "parity_atol": o.parity_atol,
+                        "parity_rtol": o.parity_rtol, "allow_different_weights": o.allow_different_weights},
+            "checks": [c.to_dict() for c in self.checks], "notes": list(self.notes),
             "round_trip": None if self.round_trip is None else self.round_trip.to_dict(),
             "tract_parity": None if self.parity is None else self.parity.to_dict(),
-            "numeric_cost": None if self.cost is None else self.cost.to_dict(),
-            "kv_bytes": self.trace_kv_bytes,
+            "contexts": [c.to_dict() for c in self.contexts],
         }
 
 
-# ----------------------------------------------------------------------------------------------
-def default_prompt(vocab: int, length: int, seed: int = 0) -> list[int]:
-    """A deterministic prompt of ``length`` ids drawn in ``[0, vocab)``."""
-    return [int(i) for i in np.random.default_rng(seed).integers(0, max(1, vocab), length)]
+# ---------------------------------------------------------------------------------------------- model facts
+def vocab_size(session: Any, sig: Any) -> int | None:
+    """The number of token ids the model embeds: the size of the constant table a gather of the ids
+    input reads (through casts), else None."""
+    plan = session.plan
+    ids_slot = next(s.slot for s in plan.inputs if s.name == sig.ids_input)
+    fed = {ids_slot}
+    for node in plan.step_nodes:
+        ins = [x for x in node.inputs if isinstance(x, int)]
+        if node.op in ("tract_core_cast", "cast", "copy") and ins and ins[0] in fed:
+            fed.update(o for o in node.outputs if isinstance(o, int))
+            continue
+        if node.op in ("gather", "tract_core_gather") and len(ins) >= 2 and ins[1] in fed:
+            table = plan.base[ins[0]]
+            if isinstance(table, np.ndarray):
+                axis = int(node.attrs.get("axis", 0))
+                return int(table.shape[axis])
+    return None
 
 
-def _vocab_of(model: Any) -> int:
-    dec = InterpreterDecoder(model)
-    return int(dec(np.asarray([0], np.int64)).shape[-1])
+def max_positions(session: Any) -> tuple[int | None, str]:
+    """The most positions (tokens in the cache after a call) the graph's ``tract_assert`` lines allow,
+    and the assertion that bounds it; ``(None, "")`` when nothing bounds it."""
+    g = session.plan.graph
+    if not g.assertions:
+        return None, ""
+    tok, _ = session.token_inputs()
+    others = [s for s in g.symbols if s != tok]
+
+    def failing(total: int) -> Any:
+        for env in ({tok: 1, **{s: total - 1 for s in others}}, {tok: total, **{s: 0 for s in others}}):
+            for a in g.assertions:
+                if a.check(env) is False:
+                    return a
+        return None
+
+    if failing(1) is not None:
+        return None, ""
+    top = 1 << 40
+    if failing(top) is None:
+        return None, ""
+    lo, hi = 1, top  # failing(lo) is None, failing(hi) is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if failing(mid) is None:
+            lo = mid
+        else:
+            hi = mid
+    return lo, f"tract_assert {failing(hi).text}"
 
 
-def _nnef_kv_only_ops(model: Any) -> list[str]:
-    from ..interpreter.session import get_plan
+def _tensor_digest(x: Any) -> tuple:
+    if isinstance(x, np.ndarray):
+        a = np.ascontiguousarray(x)
+        return ("array", str(a.dtype), tuple(a.shape), hashlib.sha256(a.view(np.uint8).reshape(-1)).hexdigest())
+    blocks = getattr(x, "blocks", None)
+    if blocks is not None:  # block-quantized weights
+        return ("blocks", tuple(getattr(x, "shape", ())), hashlib.sha256(np.ascontiguousarray(blocks).tobytes()).hexdigest())
+    return ("other", repr(x)[:200])
 
-    return sorted({n.op for n in get_plan(model).step_nodes if n.op.startswith("nnef_kv_")})
+
+def check_same_model(model: Any, reference: Any, where: str = "--reference") -> None:
+    """InputError when the archive's weights are not all in the reference (the converter never changes
+    a variable's tensor: a different tensor means a different model)."""
+    mine = dict(getattr(model, "tensors", {}) or {})
+    theirs = dict(getattr(reference, "tensors", {}) or {})
+    ref_digests: dict[tuple, str] = {}
+    for label, t in theirs.items():
+        ref_digests.setdefault(_tensor_digest(t), label)
+    for label, t in sorted(mine.items()):
+        dg = _tensor_digest(t)
+        if dg in ref_digests:
+            continue
+        if label in theirs:
+            detail = f"its tensor '{label}' differs from the archive's"
+        else:
+            detail = f"it has no tensor equal to the archive's '{label}'"
+        raise InputError(f"{where}: not the same model as the archive: {detail} (a converted archive keeps "
+                         f"every weight of its source; --allow-different-weights compares anyway)")
+
+
+# ---------------------------------------------------------------------------------------------- contexts
+def resolve_contexts(options: ValidateOptions, n_text: int, maxpos: tuple[int | None, str],
+                     windows: list[int], names: dict[str, str] | None = None) -> tuple[list[int], list[str]]:
+    """The contexts to measure and notes on how defaults were chosen. A context the model cannot hold
+    (``L + eval_tokens - 1`` positions) or the text cannot feed (``L + eval_tokens`` tokens) -> InputError
+    naming both numbers."""
+    nm = {"contexts": "--context", "eval_tokens": "--eval-tokens", **(names or {})}
+    n = options.eval_tokens
+    top, bound = maxpos
+    notes: list[str] = []
+    if options.contexts:
+        for c in options.contexts:
+            if top is not None and c + n - 1 > top:
+                raise InputError(f"{nm['contexts']} {c}: with {nm['eval_tokens']} {n} the model must hold {c + n - 1} "
+                                 f"positions, it holds at most {top} ({bound})")
+            if c + n > n_text:
+                raise InputError(f"{nm['contexts']} {c}: with {nm['eval_tokens']} {n} it needs {c + n} tokens of text, "
+                                 f"the text has {n_text}")
+        return sorted(set(int(c) for c in options.contexts)), notes
+    w = max(windows, default=0)
+    want = max(8 * w, DEFAULT_CONTEXT_FLOOR)
+    caps = [(want, f"8 x the full-precision window {w}" if 8 * w >= DEFAULT_CONTEXT_FLOOR
+             else f"at least {DEFAULT_CONTEXT_FLOOR}")]
+    if top is not None:
+        caps.append((top - n + 1, f"the model's {top} positions ({bound}) less {nm['eval_tokens']} {n} - 1"))
+    caps.append((n_text - n, f"the text's {n_text} tokens less {nm['eval_tokens']} {n}"))
+    c, why = min(caps, key=lambda t: t[0])
+    if c < 1:
+        raise InputError(f"{nm['eval_tokens']} {n}: the text has {n_text} tokens, at least {n + 1} are needed"
+                         if c == n_text - n else
+                         f"{nm['eval_tokens']} {n}: the model holds at most {top} positions ({bound})")
+    notes.append(f"context {c} (default: {why})")
+    return [c], notes
+
+
+# ---------------------------------------------------------------------------------------------- running
+def _measure(dec: Any, ids: Sequence[int], ctx: int, n: int, chunk: int | None,
+             on_call: Callable[[], None] | None) -> Measurement:
+    dec.reset()
+    t0 = time.perf_counter()
+    size = ctx if not chunk else int(chunk)
+    parts = [list(ids[i:min(i + size, ctx)]) for i in range(0, ctx, size)]
+    for part in parts[:-1]:
+        dec.prefill(part)
+        if on_call:
+            on_call()
+    read0 = dec.reads_quantized(len(parts[-1]), stepwise=False)[-1:]
+    lg0, att0 = dec.prefill(parts[-1])
+    if on_call:
+        on_call()
+    rest = list(ids[ctx:ctx + n - 1])
+    reads = np.concatenate([read0, dec.reads_quantized(len(rest), stepwise=True)])
+    lg, att = dec.teacher(rest) if rest else (np.zeros((0, lg0.shape[-1]), np.float32), [a[:, :, :0] for a in att0])
+    if on_call:
+        on_call()
+    seconds = time.perf_counter() - t0
+    logits = np.concatenate([lg0[None], lg]) if len(rest) else lg0[None]
+    attention = [np.concatenate([a0, a], axis=2) for a0, a in zip(att0, att)] if att0 else []
+    census = dec.census()
+    return Measurement(logits=logits, attention=attention, reads=reads.astype(np.int64), census=census,
+                       kv_bytes=int(sum(c["bytes"] for c in census)), kv_bytes_f32=int(sum(c["bytes_f32"] for c in census)),
+                       seconds=seconds, logits_dtype=str(getattr(dec, "logits_dtype", "float32")))
+
+
+def _kv_op_settings(dec: InterpreterDecoder) -> list[dict[str, Any]]:
+    out = []
+    for node, st in dec.quantized_ops():
+        keys = ("bits", "key_group", "value_group", "residual", "sinks", "per_channel", "scale")
+        attrs = {k: v for k, v in node.attrs.items() if k in keys and isinstance(v, (int, float, bool, str))}
+        if node.op == "tract_transformers_quantized_kv_sdpa":
+            attrs["bits"] = 8
+        settings = ", ".join(f"{k} {v}" for k, v in attrs.items() if k != "scale")
+        out.append({"node": node.name, "op": node.op, "settings": settings, "fp_window": int(st.fp_window),
+                    "window": getattr(st, "window_text", "")})
+    return out
+
+
+def _parity_tolerance(options: ValidateOptions, dtype: str) -> tuple[float, float]:
+    f16 = dtype == "float16"
+    atol = options.parity_atol if options.parity_atol is not None else (1e-3 if f16 else 1e-4)
+    rtol = options.parity_rtol if options.parity_rtol is not None else (2e-2 if f16 else 1e-3)
+    return atol, rtol
 
 
 def _with_path(model: Any, fn: Callable[[str], Any], path: str | None = None) -> Any:
@@ -211,29 +497,32 @@ def _with_path(model: Any, fn: Callable[[str], Any], path: str | None = None) ->
     from ..io.archive import save
 
     with tempfile.TemporaryDirectory(prefix="nnef_kv_tract_") as tmp:
-        path = Path(tmp) / "model.nnef.tar"
-        save(model, path)
-        return fn(str(path))
+        p = Path(tmp) / "model.nnef.tar"
+        save(model, p)
+        return fn(str(p))
 
 
-def tract_parity(model: Any, tokens: Sequence[int], n_prompt: int, ours: DecodeTrace, atol: float = 1e-4,
-                 rtol: float = 1e-3, on_call: Callable[[], None] | None = None, path: str | None = None
-                 ) -> ParityResult:
-    """Decode ``tokens`` (teacher forced) with tract and compare the logits with ``ours``."""
+def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: ContextResult,
+                 options: ValidateOptions, path: str | None = None,
+                 on_call: Callable[[], None] | None = None) -> ParityResult:
+    """tract on the same teacher-forced tokens as ``res`` (prefill, then one-token calls), logits compared."""
+    atol, rtol = _parity_tolerance(options, res.archive.logits_dtype)
     if not tract_available():
-        return ParityResult("skipped", "the tract Python package is not installed")
-    own = _nnef_kv_only_ops(model)
+        return ParityResult("skipped", "the tract Python package is not installed", atol=atol, rtol=rtol)
+    own = sorted({n.op for n in dec.session.plan.step_nodes if n.op.startswith("nnef_kv_")})
     if own:
         return ParityResult("skipped", f"tract cannot load this archive: it uses nnef-kv's own op(s) "
-                                       f"{', '.join(own)} (extension nnef_kv), which tract does not implement")
-    sig = InterpreterDecoder(model).sig
-    steps = ours.calls - 1
+                                       f"{', '.join(own)} (extension nnef_kv), which tract does not implement",
+                            atol=atol, rtol=rtol)
 
-    def run(path: str) -> DecodeTrace:
-        return run_decode(TractDecoder(path, sig), tokens[:n_prompt], steps, tokens=tokens, on_call=on_call)
+    def run(p: str) -> tuple[np.ndarray, float]:
+        t = TractDecoder(p, dec.sig)
+        t0 = time.perf_counter()
+        m = _measure(t, ids, res.context, res.eval_tokens, res.chunk, on_call)
+        return m.logits, time.perf_counter() - t0
 
     try:
-        theirs = _with_path(model, run, path)
+        theirs, seconds = _with_path(model, run, path)
     except NnefKvError:
         raise
     except BaseException as exc:  # tract raises its own errors (and pyo3 panics are BaseException)
@@ -241,142 +530,132 @@ def tract_parity(model: Any, tokens: Sequence[int], n_prompt: int, ours: DecodeT
             raise
         text = str(exc).split("Stack backtrace", 1)[0]
         msg = " / ".join(ln.strip() for ln in text.splitlines() if ln.strip() and ln.strip() != "Caused by:")
-        msg = msg or type(exc).__name__
-        return ParityResult("error", f"tract failed to load or run this archive: {msg}")
-    diff = np.abs(ours.logits.astype(np.float64) - theirs.logits.astype(np.float64))
-    per_call = [float(x) for x in diff.max(axis=1)]
-    scale = float(np.max(np.abs(theirs.logits))) or 1.0
+        return ParityResult("error", f"tract failed to load or run this archive: {msg or type(exc).__name__}",
+                            atol=atol, rtol=rtol)
+    ours = res.archive.logits
+    diff = np.abs(ours.astype(np.float64) - theirs.astype(np.float64))
+    scale = float(np.max(np.abs(theirs))) or 1.0
     max_abs = float(diff.max())
-    agree = float(np.mean(np.argmax(ours.logits, -1) == np.argmax(theirs.logits, -1)))
+    agree = float(np.mean(np.argmax(ours, -1) == np.argmax(theirs, -1)))
     ok = bool(np.isfinite(max_abs)) and max_abs <= atol + rtol * scale
     return ParityResult("ok" if ok else "mismatch", "" if ok else
                         f"max |logits - tract| = {max_abs:.3g} > {atol:g} + {rtol:g} * {scale:.3g}",
-                        calls=ours.calls, max_abs=max_abs, max_rel=max_abs / scale, argmax_agreement=agree,
-                        per_call_max_abs=per_call, seconds=theirs.seconds)
+                        calls=len(ours), max_abs=max_abs, max_rel=max_abs / scale, argmax_agreement=agree,
+                        atol=atol, rtol=rtol, seconds=seconds)
 
 
-def reference_trace(reference: Any, prompt: Sequence[int], steps: int,
-                    on_call: Callable[[], None] | None = None) -> DecodeTrace:
-    """Greedy decode of the f32 reference, capturing attention outputs."""
-    return run_decode(InterpreterDecoder(reference, capture_attention=True), prompt, steps, on_call=on_call)
+def _decoder(model: Any, capture: bool, what: str) -> InterpreterDecoder:
+    try:
+        return InterpreterDecoder(model, capture_attention=capture)
+    except InputError as exc:
+        raise InputError(f"{what}: not a decoder nnef-kv can drive ({exc})") from None
 
 
-def numeric_cost(model: Any, ref: DecodeTrace, on_call: Callable[[], None] | None = None
-                 ) -> tuple[NumericCost, DecodeTrace]:
-    """Decode ``model`` on the reference's tokens and measure how far it lands from the reference."""
-    steps = ref.calls - 1
-    trace = run_decode(InterpreterDecoder(model, capture_attention=True), ref.tokens[:ref.n_prompt], steps,
-                       tokens=ref.tokens, on_call=on_call)
-    if trace.logits.shape != ref.logits.shape:
-        raise InputError(f"the archive's logits {trace.logits.shape[1:]} and the reference's "
-                         f"{ref.logits.shape[1:]} differ: not the same model")
-    layers = len(ref.attention[0]) if ref.attention else 0
-    note = ("relative L2 of each attention op's output [B, Hq, Sq, D] vs the reference's, per call and layer "
-            "(k-th attention op in graph order = layer k)")
-    attention: list[list[float]] | None = []
-    if not layers or any(len(a) != layers for a in trace.attention + ref.attention):
-        attention = None
-        note = (f"not comparable: the reference has {layers} attention ops per call, the archive "
-                f"{len(trace.attention[0]) if trace.attention else 0}")
-    else:
-        for got, want in zip(trace.attention, ref.attention):
-            row = []
-            for a, b in zip(got, want):
-                if a.size != b.size:
-                    attention, note = None, (f"not comparable: attention outputs of {a.shape} vs the "
-                                             f"reference's {b.shape}")
-                    break
-                row.append(rel_l2(a, b))
-            if attention is None:
-                break
-            attention.append(row)
-    kl = kl_divergence(ref.logits, trace.logits)
-    cost = NumericCost(
-        calls=trace.calls, tokens=list(ref.tokens), n_prompt=ref.n_prompt, layers=layers, attention=attention,
-        attention_note=note,
-        logits_rel_l2=[rel_l2(a, b) for a, b in zip(trace.logits, ref.logits)],
-        logits_max_abs=[float(np.max(np.abs(a.astype(np.float64) - b))) for a, b in zip(trace.logits, ref.logits)],
-        kl=[float(x) for x in kl], ref_tokens=ref.predictions, tokens_pred=trace.predictions,
-        kv_bytes=dict(trace.kv_bytes), ref_kv_bytes=dict(ref.kv_bytes))
-    return cost, trace
+def validate_model(model: Any, reference: Any | None = None, source: Any = None,
+                   options: ValidateOptions | None = None, progress: Callable[[], None] | None = None,
+                   path: str | None = None, reference_runs: dict[int, Measurement] | None = None,
+                   names: dict[str, str] | None = None) -> ValidationReport:
+    """Validate ``model`` (an :class:`nnef_kv.Model`) on the tokens of ``source`` (a
+    :class:`~nnef_kv.text.TokenSource`) against ``reference`` (the f32 model it was converted from).
 
-
-def validate_model(model: Any, reference: Any | None = None, options: ValidateOptions | None = None,
-                   ref_trace: DecodeTrace | None = None, progress: Callable[[], None] | None = None,
-                   path: str | None = None) -> ValidationReport:
-    """Run every check on ``model`` (an :class:`nnef_kv.Model`); ``reference`` (f32 model) enables the cost.
-
-    ``ref_trace`` reuses a reference decode (several archives against one reference, as ``demo`` does).
-    ``path``: an archive file holding ``model`` unchanged, for tract (else a temporary copy is written).
-    """
-    o = options or ValidateOptions()
-    if o.steps < 0:
-        raise InputError(f"steps must be >= 0, got {o.steps}")
-    rep = ValidationReport(archive=str(path or getattr(model, "source", None) or "<in memory>"),
-                           reference=None if reference is None else str(getattr(reference, "source", None) or "<in memory>"),
-                           options=o)
+    ``path``: an archive file holding ``model`` unchanged (for tract; else a temporary copy is written).
+    ``reference_runs``: context -> reference :class:`Measurement`, reused and filled (several archives
+    against one reference, as ``demo`` does). ``names``: option names for error messages (the CLI's)."""
+    o = (options or ValidateOptions()).check(names)
+    if source is None:
+        raise InputError("validate: no tokens given (text, prompt or ids)")
+    label = str(path or getattr(model, "source", None) or "<in memory>")
+    rep = ValidationReport(archive=label, options=o, tokens=source.description, n_tokens=len(source.ids),
+                           reference=None if reference is None else str(getattr(reference, "source", None) or "<in memory>"))
+    rep.notes += list(source.notes)
+    dec = _decoder(model, capture=reference is not None, what=label)
+    ref_dec = None
+    if reference is not None:
+        ref_dec = _decoder(reference, capture=True, what=f"{(names or {}).get('reference', 'reference')} {rep.reference}")
+        held = ref_dec.quantized_ops()
+        if held:
+            raise InputError(f"{(names or {}).get('reference', 'reference')} {rep.reference}: the reference holds a "
+                             f"quantized KV cache itself ({held[0][0].op} '{held[0][0].name}'): compare against the "
+                             f"f32 archive it was converted from")
+        if not o.allow_different_weights:
+            check_same_model(model, reference, (names or {}).get("reference", "reference") + f" {rep.reference}")
+        elif reference is not None:
+            rep.notes.append("weights not compared (allow_different_weights)")
+    source.check_vocabulary(vocab_size(dec.session, dec.sig))
+    rep.kv_ops = _kv_op_settings(dec)
+    contexts, notes = resolve_contexts(o, len(source.ids), max_positions(dec.session),
+                                       [k["fp_window"] for k in rep.kv_ops], names)
+    rep.notes += notes
     if o.round_trip:
         rep.round_trip = check_round_trip(model)
         rep.checks.append(Check("round trip", rep.round_trip.ok,
                                 "read, write, read: identical graph and tensors; identical bytes on a second write"
                                 if rep.round_trip.ok else "; ".join(rep.round_trip.problems)))
-    if reference is None and ref_trace is None:
-        try:
-            InterpreterDecoder(model)
-        except InputError as exc:  # not a decoder: the round trip is all there is to check
-            rep.notes.append(f"decode, tract parity and numeric cost skipped: {exc}")
-            _threshold_checks(rep, o)
-            return rep
-    if ref_trace is None:
-        src = reference if reference is not None else model
-        prompt = list(o.prompt_ids) if o.prompt_ids else default_prompt(_vocab_of(src), o.prompt_len, o.seed)
-        if reference is not None:
-            ref_trace = reference_trace(reference, prompt, o.steps, on_call=progress)
-    else:
-        prompt = ref_trace.tokens[:ref_trace.n_prompt]
-    rep.prompt = [int(t) for t in prompt]
-    trace: DecodeTrace | None = None
-    if ref_trace is not None:
-        rep.cost, trace = numeric_cost(model, ref_trace, on_call=progress)
-    else:
-        trace = run_decode(InterpreterDecoder(model), prompt, o.steps, on_call=progress)
-    rep.trace_kv_bytes = dict(trace.kv_bytes)
-    rep.seconds["archive"] = trace.seconds
-    if ref_trace is not None:
-        rep.seconds["reference"] = ref_trace.seconds
-    if o.parity:
-        rep.parity = tract_parity(model, trace.tokens, trace.n_prompt, trace, o.parity_atol, o.parity_rtol,
-                                  on_call=progress, path=path)
-        if rep.parity.status != "skipped":
-            if rep.parity.status == "error":
-                rep.checks.append(Check("tract parity", False, rep.parity.reason))
-            else:
-                rep.checks.append(Check("tract parity", rep.parity.status == "ok",
-                                        f"max |logits - tract| {rep.parity.max_abs:.3g} over {rep.parity.calls} "
-                                        f"calls, argmax agreement {rep.parity.argmax_agreement:.3f}"
-                                        + (f" ({rep.parity.reason})" if rep.parity.reason else "")))
+    ids = source.ids
+    for ctx in contexts:
+        targets = list(ids[ctx:ctx + o.eval_tokens])
+        ref_m = None
+        if ref_dec is not None:
+            ref_m = reference_runs.get(ctx) if reference_runs is not None else None
+            if ref_m is None:
+                ref_m = _measure(ref_dec, ids, ctx, o.eval_tokens, o.chunk, progress)
+                if reference_runs is not None:
+                    reference_runs[ctx] = ref_m
+        m = _measure(dec, ids, ctx, o.eval_tokens, o.chunk, progress)
+        res = ContextResult(ctx, o.eval_tokens, o.chunk, targets, m, ref_m)
+        if ref_m is not None:
+            if ref_m.logits.shape != m.logits.shape:
+                raise InputError(f"{label}: logits of {m.logits.shape[1]} ids, the reference's of "
+                                 f"{ref_m.logits.shape[1]}: not the same model")
+            res.attention_note = ("relative L2 of each attention op's output [B, Hq, 1, D] for the token against "
+                                  "the reference's (k-th attention op in graph order = layer k)")
+            if res.attention_deviation() is None:
+                res.attention_note = (f"not comparable: the archive has {len(m.attention)} attention ops, the "
+                                      f"reference {len(ref_m.attention)} (or their outputs differ in shape)")
+        rep.contexts.append(res)
+    if o.parity and rep.contexts:
+        rep.parity = tract_parity(model, dec, ids, rep.contexts[0], o, path=path, on_call=progress)
+        p = rep.parity
+        if p.status == "error":
+            rep.checks.append(Check("tract parity", False, p.reason))
+        elif p.status != "skipped":
+            rep.checks.append(Check("tract parity", p.status == "ok",
+                                    f"max |logits - tract| {p.max_abs:.3g} over {p.calls} tokens (tolerance {p.atol:g} "
+                                    f"+ {p.rtol:g} x max |logit|), argmax agreement {p.argmax_agreement:.3f}"))
+    _quantized_checks(rep, names)
     _threshold_checks(rep, o)
     return rep
 
 
+def _quantized_checks(rep: ValidationReport, names: dict[str, str] | None) -> None:
+    flag = (names or {}).get("contexts", "--context")
+    for res in rep.contexts:
+        if res.reads_quantized:
+            rep.checks.append(Check(f"quantized entries read @ {res.context}", True,
+                                    f"{res.reads_quantized} of {res.eval_tokens} evaluated tokens read quantized "
+                                    f"entries; each KV op holds {res.quantized_tokens} tokens quantized, "
+                                    f"{res.full_precision_tokens} in full precision"))
+            continue
+        if not rep.kv_ops:
+            detail = "nothing was quantized: the archive holds no quantized KV cache (nnef-kv convert makes one)"
+        else:
+            w = max(k["fp_window"] for k in rep.kv_ops)
+            window = next(k["window"] for k in rep.kv_ops if k["fp_window"] == w)
+            detail = (f"nothing was quantized: context {res.context} fits in the full-precision window ({window}); "
+                      f"use {flag} >= {max(8 * w, w + 1)}")
+        rep.checks.append(Check(f"quantized entries read @ {res.context}", False, detail))
+
+
 def _threshold_checks(rep: ValidationReport, o: ValidateOptions) -> None:
-    c = rep.cost
-    if o.max_attention_deviation is not None:
-        if c is None or c.attention_max is None:
-            rep.checks.append(Check("max attention deviation", False,
-                                    "no attention deviation measured (needs --reference and comparable attention ops)"))
-        else:
-            rep.checks.append(Check("max attention deviation", c.attention_max <= o.max_attention_deviation,
-                                    f"worst {c.attention_max:.4g} (limit {o.max_attention_deviation:g})"))
-    if o.min_token_agreement is not None:
-        if c is None:
-            rep.checks.append(Check("min token agreement", False, "needs --reference"))
-        else:
-            rep.checks.append(Check("min token agreement", c.token_agreement >= o.min_token_agreement,
-                                    f"{c.token_agreement:.4f} (limit {o.min_token_agreement:g})"))
-    if o.max_kl is not None:
-        if c is None:
-            rep.checks.append(Check("max KL", False, "needs --reference"))
-        else:
-            mean_kl = c.kl_stats().get("mean", float("nan"))
-            rep.checks.append(Check("max KL", bool(mean_kl <= o.max_kl), f"mean KL {mean_kl:.4g} nats (limit {o.max_kl:g})"))
+    for opt, limit in o.thresholds.items():
+        key, kind, what = THRESHOLDS[opt]
+        for res in rep.contexts:
+            s = res.summary()
+            val = s.get(key)
+            name = f"{opt.replace('_', ' ')} @ {res.context}"
+            if val is None:
+                need = "a reference" if res.reference is None else "comparable attention ops"
+                rep.checks.append(Check(name, False, f"{what}: not measured (needs {need})"))
+                continue
+            ok = bool(val <= limit) if kind == "max" else bool(val >= limit)
+            rep.checks.append(Check(name, ok, f"{what} {val:.4g} (limit {limit:g})"))

@@ -304,6 +304,9 @@ class DynKvCache:
     stepwise = __call__
     QUANTIZED = False
 
+    def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
+        return np.zeros(n, np.int64)
+
     def census(self) -> dict[str, int]:
         """Entries held (all in full precision); ``f32_bytes``: what they take as f32."""
         c = self.cache
@@ -523,6 +526,9 @@ class WindowKvSdpa:
     def stepwise(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """One-token runs, one per new token (a multi-token run attends non-causally over the window)."""
         return stepwise_loop(self, q, k, v, axis=self.axis)
+
+    def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
+        return np.zeros(n, np.int64)
 
     def census(self) -> dict[str, int]:
         n = 0 if self.k is None else int(self.k.shape[norm_axis(self.axis, self.k.ndim)])
