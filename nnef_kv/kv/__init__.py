@@ -3,15 +3,18 @@
 * :class:`TractQuantizedKvSdpa` -- ``tract_transformers_quantized_kv_sdpa`` (tract 0.23.9 semantics);
 * :class:`TractQuantizedDynKvCache` -- ``tract_transformers_quantized_dyn_kv_cache``;
 * :class:`KiviSdpa` -- ``nnef_kv_kivi_sdpa``: 1..8-bit packed KIVI cache + attention on the codes;
+* :class:`GgmlSdpa` -- ``nnef_kv_ggml_sdpa``: llama.cpp's ggml-typed KV cache (q8_0 ... iq4_nl, f16, f32)
+  + attention over it (blocks from :mod:`.ggml`);
 * :mod:`.packing` -- sub-byte code packing.
 
 The classes work without a graph; :mod:`.ops` registers them as stateful interpreter kernels.
 """
 from __future__ import annotations
 
+from .ggml_sdpa import GgmlSdpa, GgmlSdpaConfig
 from .kivi import KiviConfig, KiviSdpa, hadamard
 from .tract_dyn_cache import TractQuantizedDynKvCache
 from .tract_fused import TractQuantizedKvSdpa, softmax_attention
 
-__all__ = ["KiviConfig", "KiviSdpa", "hadamard", "TractQuantizedDynKvCache", "TractQuantizedKvSdpa",
+__all__ = ["GgmlSdpa", "GgmlSdpaConfig", "KiviConfig", "KiviSdpa", "hadamard", "TractQuantizedDynKvCache", "TractQuantizedKvSdpa",
            "softmax_attention"]

@@ -2,30 +2,41 @@
 
 Each registered class is built once per session as ``cls(**attrs)`` and called ``state(*tensors)``
 per run; the math lives in plain classes (:mod:`.tract_fused`, :mod:`.tract_dyn_cache`,
-:mod:`.kivi`) that work without any graph.
+:mod:`.kivi`, :mod:`.ggml_sdpa`) that work without any graph.
 """
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
+from ..errors import GraphError
 from ..interpreter.registry import stateful
+from .ggml_sdpa import GgmlSdpa
 from .kivi import KiviSdpa
 from .tract_dyn_cache import TractQuantizedDynKvCache
 from .tract_fused import TractQuantizedKvSdpa
 
-__all__ = ["QuantizedKvSdpaKernel", "QuantizedDynKvCacheKernel", "KiviSdpaKernel", "KIVI_SIGNATURE"]
+__all__ = ["QuantizedKvSdpaKernel", "QuantizedDynKvCacheKernel", "KiviSdpaKernel", "GgmlSdpaKernel",
+           "KIVI_SIGNATURE", "GGML_SDPA_SIGNATURE", "nnef_kv_signature"]
 
-KIVI_DECL_FILE = Path(__file__).resolve().parents[1] / "grammar" / "nnef_kv_ops.nnef"
+NNEF_KV_DECL_FILE = Path(__file__).resolve().parents[1] / "grammar" / "nnef_kv_ops.nnef"
+KIVI_DECL_FILE = NNEF_KV_DECL_FILE  # the file's former name here (it declared only the KIVI op)
 
 
-def _kivi_signature() -> str:
-    """The fragment declaration of nnef_kv_kivi_sdpa, read from the shipped .nnef file (comments stripped)."""
-    lines = [ln.split("#", 1)[0] for ln in KIVI_DECL_FILE.read_text().splitlines()]
+def nnef_kv_signature(name: str) -> str:
+    """The fragment declaration of the op ``name``, read from the shipped .nnef file (comments
+    stripped, on one line)."""
+    lines = [ln.split("#", 1)[0] for ln in NNEF_KV_DECL_FILE.read_text().splitlines()]
     text = " ".join(ln.strip() for ln in lines if ln.strip())
-    return text.strip()
+    found = [decl.strip() + ";" for decl in text.split(";")
+             if re.match(rf"fragment\s+{re.escape(name)}\s*[(<]", decl.strip())]
+    if len(found) != 1:
+        raise GraphError(f"{NNEF_KV_DECL_FILE}: {len(found)} declarations of {name}, expected one")
+    return found[0]
 
 
-KIVI_SIGNATURE = _kivi_signature()
+KIVI_SIGNATURE = nnef_kv_signature("nnef_kv_kivi_sdpa")
+GGML_SDPA_SIGNATURE = nnef_kv_signature("nnef_kv_ggml_sdpa")
 
 QUANTIZED_KV_SDPA_SIGNATURE = (
     "fragment tract_transformers_quantized_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, "
@@ -57,3 +68,9 @@ class QuantizedDynKvCacheKernel(TractQuantizedDynKvCache):
 @stateful(KIVI_SIGNATURE, "nnef_kv")
 class KiviSdpaKernel(KiviSdpa):
     """``nnef_kv_kivi_sdpa`` (declaration in ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""
+
+
+@stateful(GGML_SDPA_SIGNATURE, "nnef_kv")
+class GgmlSdpaKernel(GgmlSdpa):
+    """``nnef_kv_ggml_sdpa``: llama.cpp's ggml-typed KV cache (declaration in
+    ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""
