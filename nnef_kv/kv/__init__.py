@@ -3,15 +3,17 @@
 * :class:`TractQuantizedKvSdpa` -- ``tract_transformers_quantized_kv_sdpa`` (tract 0.23.9 semantics);
 * :class:`TractQuantizedDynKvCache` -- ``tract_transformers_quantized_dyn_kv_cache``;
 * :class:`KiviSdpa` -- ``nnef_kv_kivi_sdpa``: 1..8-bit packed KIVI cache + attention on the codes;
+* :class:`HfQuantizedSdpa` -- ``nnef_kv_hf_quantized_sdpa``: Hugging Face's ``QuantizedCache`` (quanto, HQQ);
 * :mod:`.packing` -- sub-byte code packing.
 
 The classes work without a graph; :mod:`.ops` registers them as stateful interpreter kernels.
 """
 from __future__ import annotations
 
+from .hf_quantized import HfQuantizedConfig, HfQuantizedSdpa
 from .kivi import KiviConfig, KiviSdpa, hadamard
 from .tract_dyn_cache import TractQuantizedDynKvCache
 from .tract_fused import TractQuantizedKvSdpa, softmax_attention
 
-__all__ = ["KiviConfig", "KiviSdpa", "hadamard", "TractQuantizedDynKvCache", "TractQuantizedKvSdpa",
-           "softmax_attention"]
+__all__ = ["HfQuantizedConfig", "HfQuantizedSdpa", "KiviConfig", "KiviSdpa", "hadamard", "TractQuantizedDynKvCache",
+           "TractQuantizedKvSdpa", "softmax_attention"]

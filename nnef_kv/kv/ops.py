@@ -9,23 +9,30 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..interpreter.registry import stateful
+from .hf_quantized import HfQuantizedSdpa
 from .kivi import KiviSdpa
 from .tract_dyn_cache import TractQuantizedDynKvCache
 from .tract_fused import TractQuantizedKvSdpa
 
-__all__ = ["QuantizedKvSdpaKernel", "QuantizedDynKvCacheKernel", "KiviSdpaKernel", "KIVI_SIGNATURE"]
+__all__ = ["QuantizedKvSdpaKernel", "QuantizedDynKvCacheKernel", "KiviSdpaKernel", "HfQuantizedSdpaKernel",
+           "KIVI_SIGNATURE", "HF_QUANTIZED_SIGNATURE", "nnef_kv_signature"]
 
 KIVI_DECL_FILE = Path(__file__).resolve().parents[1] / "grammar" / "nnef_kv_ops.nnef"
 
 
-def _kivi_signature() -> str:
-    """The fragment declaration of nnef_kv_kivi_sdpa, read from the shipped .nnef file (comments stripped)."""
+def nnef_kv_signature(name: str) -> str:
+    """The fragment declaration of ``name``, read from the shipped .nnef file (comments stripped)."""
     lines = [ln.split("#", 1)[0] for ln in KIVI_DECL_FILE.read_text().splitlines()]
     text = " ".join(ln.strip() for ln in lines if ln.strip())
-    return text.strip()
+    for decl in text.split(";"):
+        decl = decl.strip()
+        if decl.startswith("fragment") and decl[len("fragment"):].lstrip().split("(", 1)[0].strip() == name:
+            return decl + ";"
+    raise KeyError(f"{name} is not declared in {KIVI_DECL_FILE}")
 
 
-KIVI_SIGNATURE = _kivi_signature()
+KIVI_SIGNATURE = nnef_kv_signature("nnef_kv_kivi_sdpa")
+HF_QUANTIZED_SIGNATURE = nnef_kv_signature("nnef_kv_hf_quantized_sdpa")
 
 QUANTIZED_KV_SDPA_SIGNATURE = (
     "fragment tract_transformers_quantized_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, "
@@ -57,3 +64,8 @@ class QuantizedDynKvCacheKernel(TractQuantizedDynKvCache):
 @stateful(KIVI_SIGNATURE, "nnef_kv")
 class KiviSdpaKernel(KiviSdpa):
     """``nnef_kv_kivi_sdpa`` (declaration in ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""
+
+
+@stateful(HF_QUANTIZED_SIGNATURE, "nnef_kv")
+class HfQuantizedSdpaKernel(HfQuantizedSdpa):
+    """``nnef_kv_hf_quantized_sdpa``: Hugging Face ``QuantizedCache`` (quanto / HQQ) + exact attention."""
