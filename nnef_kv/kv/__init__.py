@@ -5,6 +5,7 @@
 * :class:`KiviSdpa` -- ``nnef_kv_kivi_sdpa``: 1..8-bit packed KIVI cache + attention on the codes;
 * :class:`GgmlSdpa` -- ``nnef_kv_ggml_sdpa``: llama.cpp's ggml-typed KV cache (q8_0 ... iq4_nl, f16, f32)
   + attention over it (blocks from :mod:`.ggml`);
+* :class:`HfQuantizedSdpa` -- ``nnef_kv_hf_quantized_sdpa``: Hugging Face's ``QuantizedCache`` (quanto, HQQ);
 * :mod:`.packing` -- sub-byte code packing.
 
 The classes work without a graph; :mod:`.ops` registers them as stateful interpreter kernels.
@@ -12,9 +13,10 @@ The classes work without a graph; :mod:`.ops` registers them as stateful interpr
 from __future__ import annotations
 
 from .ggml_sdpa import GgmlSdpa, GgmlSdpaConfig
+from .hf_quantized import HfQuantizedConfig, HfQuantizedSdpa
 from .kivi import KiviConfig, KiviSdpa, hadamard
 from .tract_dyn_cache import TractQuantizedDynKvCache
 from .tract_fused import TractQuantizedKvSdpa, softmax_attention
 
-__all__ = ["GgmlSdpa", "GgmlSdpaConfig", "KiviConfig", "KiviSdpa", "hadamard", "TractQuantizedDynKvCache", "TractQuantizedKvSdpa",
-           "softmax_attention"]
+__all__ = ["GgmlSdpa", "GgmlSdpaConfig", "HfQuantizedConfig", "HfQuantizedSdpa", "KiviConfig", "KiviSdpa", "hadamard",
+           "TractQuantizedDynKvCache", "TractQuantizedKvSdpa", "softmax_attention"]

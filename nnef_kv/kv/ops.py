@@ -2,7 +2,7 @@
 
 Each registered class is built once per session as ``cls(**attrs)`` and called ``state(*tensors)``
 per run; the math lives in plain classes (:mod:`.tract_fused`, :mod:`.tract_dyn_cache`,
-:mod:`.kivi`, :mod:`.ggml_sdpa`) that work without any graph.
+:mod:`.kivi`, :mod:`.ggml_sdpa`, :mod:`.hf_quantized`) that work without any graph.
 """
 from __future__ import annotations
 
@@ -12,12 +12,14 @@ from pathlib import Path
 from ..errors import GraphError
 from ..interpreter.registry import stateful
 from .ggml_sdpa import GgmlSdpa
+from .hf_quantized import HfQuantizedSdpa
 from .kivi import KiviSdpa
 from .tract_dyn_cache import TractQuantizedDynKvCache
 from .tract_fused import TractQuantizedKvSdpa
 
 __all__ = ["QuantizedKvSdpaKernel", "QuantizedDynKvCacheKernel", "KiviSdpaKernel", "GgmlSdpaKernel",
-           "KIVI_SIGNATURE", "GGML_SDPA_SIGNATURE", "nnef_kv_signature"]
+           "HfQuantizedSdpaKernel", "KIVI_SIGNATURE", "GGML_SDPA_SIGNATURE", "HF_QUANTIZED_SIGNATURE",
+           "nnef_kv_signature"]
 
 NNEF_KV_DECL_FILE = Path(__file__).resolve().parents[1] / "grammar" / "nnef_kv_ops.nnef"
 KIVI_DECL_FILE = NNEF_KV_DECL_FILE  # the file's former name here (it declared only the KIVI op)
@@ -37,6 +39,7 @@ def nnef_kv_signature(name: str) -> str:
 
 KIVI_SIGNATURE = nnef_kv_signature("nnef_kv_kivi_sdpa")
 GGML_SDPA_SIGNATURE = nnef_kv_signature("nnef_kv_ggml_sdpa")
+HF_QUANTIZED_SIGNATURE = nnef_kv_signature("nnef_kv_hf_quantized_sdpa")
 
 QUANTIZED_KV_SDPA_SIGNATURE = (
     "fragment tract_transformers_quantized_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, "
@@ -74,3 +77,8 @@ class KiviSdpaKernel(KiviSdpa):
 class GgmlSdpaKernel(GgmlSdpa):
     """``nnef_kv_ggml_sdpa``: llama.cpp's ggml-typed KV cache (declaration in
     ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""
+
+
+@stateful(HF_QUANTIZED_SIGNATURE, "nnef_kv")
+class HfQuantizedSdpaKernel(HfQuantizedSdpa):
+    """``nnef_kv_hf_quantized_sdpa``: Hugging Face ``QuantizedCache`` (quanto / HQQ) + exact attention."""
