@@ -259,8 +259,8 @@ def decode_stream(tokenizer: Any):
 
     def step(ids: Sequence[int], final: bool = False) -> str:
         text = tokenizer.decode(list(ids))
-        if text.endswith("\ufffd") and not final:
-            return ""
+        if not final:
+            text = text.rstrip("\ufffd")  # the bytes of a character still coming
         new = text[len(state["shown"]):] if text.startswith(state["shown"]) else text
         state["shown"] = text
         return new

@@ -320,3 +320,28 @@ def test_tract_parity_on_tract_cache_archive(text_ref, source) -> None:
     assert rep.parity is not None and rep.parity.status == "ok", rep.parity
     assert rep.parity.calls == 24 and rep.parity.max_abs < 1e-4
     assert rep.ok and rep.verdict == "measured"
+
+
+@requires_shared
+def test_export_with_its_own_tokenizer_through_the_api(tmp_path) -> None:
+    """A torch-to-nnef export and the tokenizer.json it ships: nnef_kv.validate on a text file, default
+    context (capped by the model's 256 positions), 8/4/2-bit KIVI with the default residual 32."""
+    from nnef_kv.converters import convert
+    from nnef_kv.text import sample_text
+
+    folder = FIXTURES / "exports" / "llama_default"
+    text = tmp_path / "text.txt"
+    text.write_text(sample_text())
+    ref = nnef_kv.load(folder / "model.nnef.tgz")
+    kl = []
+    for bits in (8, 4, 2):
+        out = tmp_path / f"k{bits}.nnef.tgz"
+        nnef_kv.save(convert(ref, bits=bits)[0], out)
+        rep = nnef_kv.validate(out, folder / "model.nnef.tgz", text=text, tokenizer=folder / "tokenizer.json",
+                               eval_tokens=32, parity=False)
+        (res,) = rep.contexts
+        assert res.context == 256 - 32 and rep.verdict == "measured"  # S+P < 256: 224 + 32 - 1 = 255 positions
+        s = res.summary()
+        assert s["quantized_tokens"] == 192 and s["tokens_reading_quantized"] == 31
+        kl.append(s["kl_mean"])
+    assert kl[0] < kl[1] < kl[2] and kl[0] < 1e-4
