@@ -56,18 +56,23 @@ def kivi_cases(draw):
     chunk = draw(st.integers(2, 60))
     outliers = draw(st.booleans())
     seed = draw(st.integers(0, 2 ** 16))
-    return d, cfg, hkv, groups, history, chunk, outliers, seed
+    abort = draw(st.integers(0, 40))  # > 0: a stepwise call of that many tokens rolled back first
+    return d, cfg, hkv, groups, history, chunk, outliers, seed, abort
 
 
 @SETTINGS
 @given(kivi_cases())
 def test_kivi_stepwise_equals_one_token_calls(case):
-    d, cfg, hkv, groups, history, chunk, outliers, seed = case
+    d, cfg, hkv, groups, history, chunk, outliers, seed, abort = case
     rng = np.random.default_rng(seed)
     a = KiviSdpa(**cfg)
     for s in history:
         a(*_tensors(rng, 1, hkv * groups, hkv, s, d))
     b = _twin(a) if a.len else KiviSdpa(**cfg)
+    if abort:  # a run that failed after this op took its tokens: the session rolls the op back
+        mark = a.checkpoint()
+        a.stepwise(*_tensors(rng, 1, hkv * groups, hkv, abort, d))
+        a.rollback(mark)
     q, k, v = _tensors(rng, 1, hkv * groups, hkv, chunk, d)
     if outliers:  # NaN / Inf / beyond-f16 values go to the exact side table in both runs alike
         k[0, 0, rng.integers(chunk), rng.integers(d)] = 3e4
@@ -117,13 +122,18 @@ def test_kivi_stepwise_needs_one_query_per_token():
 
 
 @SETTINGS
-@given(st.lists(st.integers(1, 12), max_size=3), st.integers(2, 20), st.integers(1, 2), st.integers(0, 2 ** 16))
-def test_tract_fused_stepwise_equals_one_token_calls(history, chunk, groups, seed):
+@given(st.lists(st.integers(1, 12), max_size=3), st.integers(2, 20), st.integers(1, 2), st.integers(0, 2 ** 16),
+       st.integers(0, 12))
+def test_tract_fused_stepwise_equals_one_token_calls(history, chunk, groups, seed, abort):
     rng = np.random.default_rng(seed)
     a = TractQuantizedKvSdpa(scale=0.2)
     for s in history:
         a(*_tensors(rng, 1, 2 * groups, 2, s, 8))
     b = _twin(a) if a.len else TractQuantizedKvSdpa(scale=0.2)
+    if abort:
+        mark = a.checkpoint()
+        a.stepwise(*_tensors(rng, 1, 2 * groups, 2, abort, 8))
+        a.rollback(mark)
     q, k, v = _tensors(rng, 1, 2 * groups, 2, chunk, 8)
     np.testing.assert_array_equal(a.stepwise(q, k, v), _one_token_calls(b, q, k, v))
     assert _states_equal(a, b)
@@ -144,15 +154,20 @@ def _chunked_cache_run(cache, x):
 
 @SETTINGS
 @given(st.sampled_from([4, 8]), st.booleans(), st.lists(st.integers(1, 40), max_size=3), st.integers(2, 90),
-       st.integers(0, 2 ** 16))
-def test_quantized_dyn_cache_chunks_read_as_one_token_calls(bits, per_channel, history, chunk, seed):
+       st.integers(0, 2 ** 16), st.integers(0, 70))
+def test_quantized_dyn_cache_chunks_read_as_one_token_calls(bits, per_channel, history, chunk, seed, abort):
     """Each row of a chunk reads, at every position up to its own, exactly what its one-token call's
-    cache held (causal attention over the chunk's cache then equals the one-token runs)."""
+    cache held (causal attention over the chunk's cache then equals the one-token runs); a chunked run
+    rolled back first changes nothing."""
     rng = np.random.default_rng(seed)
     a = TractQuantizedDynKvCache(bits=bits, per_channel=int(per_channel))
     for s in history:
         a(rng.standard_normal((1, 2, s, 8)).astype(np.float32))
     b = _twin(a) if a.len else TractQuantizedDynKvCache(bits=bits, per_channel=int(per_channel))
+    if abort:
+        mark = a.checkpoint()
+        _chunked_cache_run(a, rng.standard_normal((1, 2, abort, 8)).astype(np.float32))
+        a.rollback(mark)
     len0 = a.len
     x = (rng.standard_normal((1, 2, chunk, 8)) * 3).astype(np.float32)
     seen = _chunked_cache_run(a, x)
