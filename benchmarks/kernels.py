@@ -128,18 +128,19 @@ def f32_attention(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, scale: float) -
     return out / p.sum(axis=-1, keepdims=True)
 
 
-def bench_kivi(t: int, rounds: int, bit_list: list[int], groups: list[int]) -> None:
-    print(f"== (b) KIVI decode attention, T = {t}, 8 kv heads x 128, key_group 32, residual 32, M = 1 ==")
+def bench_kivi(t: int, rounds: int, bit_list: list[int], groups: list[int], rows: int = 1) -> None:
+    print(f"== (b) KIVI decode attention, T = {t}, 8 kv heads x 128, key_group 32, residual 32, "
+          f"M = {rows} query row(s) a kv head ==")
     rng = np.random.default_rng(1)
     hkv, d = 8, 128
     kf = rng.standard_normal((hkv, t, d)).astype(np.float32)
     vf = rng.standard_normal((hkv, t, d)).astype(np.float32)
-    q = rng.standard_normal((hkv, 1, d)).astype(np.float32)
+    q = rng.standard_normal((hkv, rows, d)).astype(np.float32)
     jit_done = False
     for vg in groups:
         for bits in bit_list:
             sd = make_cache(t, bits, vg)
-            assert ka.unsupported_reason(sd, 1) is None
+            assert ka.unsupported_reason(sd, rows) is None
             if not jit_done:
                 for nth in (1, 2):
                     print(f"  first call (JIT compile or cache load), threads={nth}: "
@@ -195,8 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--only", choices=["weights", "kivi"], default=None)
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=0)
-    ap.add_argument("--parallel", choices=["pool", "prange"], default="pool",
-                    help="how the KIVI kernels split heads over threads (nnef_kv.kernels._kivi_jit.PARALLEL)")
+    ap.add_argument("--parallel", choices=["pool", "prange"], default=None,
+                    help="how the KIVI kernels split heads over threads (default: nnef_kv.kernels._kivi_jit.PARALLEL)")
+    ap.add_argument("--bits", default="1,2,4,8", help="KIVI bit widths, comma-separated (default 1,2,4,8)")
+    ap.add_argument("--groups", default="32,128", help="KIVI value groups, comma-separated (default 32,128)")
+    ap.add_argument("--rows", type=int, default=1, help="query rows a kv head (GQA group), default 1")
     ap.add_argument("--speedup", choices=["pool", "prange"], default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if not numba_available():
@@ -208,12 +212,13 @@ def main(argv: list[str] | None = None) -> int:
         speedup(args.speedup, t, rounds)
         return 0
     from nnef_kv.kernels import _kivi_jit as kj
-    kj.PARALLEL = args.parallel
-    print(f"load average before: {os.getloadavg()}")
+    kj.PARALLEL = args.parallel or kj.PARALLEL
+    print(f"load average before: {os.getloadavg()}; KIVI heads split by: {kj.PARALLEL}")
     if args.only in (None, "weights"):
         bench_weights(rounds)
     if args.only in (None, "kivi"):
-        bench_kivi(t, rounds, [1, 2, 4, 8], [32, 128])
+        bench_kivi(t, rounds, [int(b) for b in args.bits.split(",")], [int(g) for g in args.groups.split(",")],
+                   args.rows)
         bench_parallel(t, rounds)
     print(f"load average after: {os.getloadavg()}")
     return 0

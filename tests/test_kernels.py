@@ -171,6 +171,23 @@ def test_non_finite_scales_take_the_reference_path(mode):
         assert np.array_equal(bq.matmul(p, x), bq.matmul.reference(p, x), equal_nan=True)
 
 
+CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "tract-harness" / "q40_linear_followed_slice"
+
+
+@pytest.mark.skipif(not (CASE / "io.npz").is_file(), reason=f"conformance case not found at {CASE}")
+def test_orientation_on_a_tract_written_q4_0_linear(mode):
+    """tract's own case (legacy nibble order, ``linear(input, W)`` then two slices multiplied): the
+    kernel's ``x @ W.T`` reproduces tract's output."""
+    from nnef_kv.io.dat import read_tensor
+
+    t = read_tensor(CASE / "linear__var0_q4_0.dat")
+    assert isinstance(t, BlockQuantTensor) and t.item_type == Q4_0_LEGACY
+    io = np.load(CASE / "io.npz")
+    y = bq.matmul(bq.repack(t), io["input_0"])
+    _check_product(y, io["input_0"], t.dequantize().T)
+    np.testing.assert_allclose(y[:, :8] * y[:, 8:16], io["output_0"], rtol=1e-5)
+
+
 def test_shape_errors():
     t = BlockQuantTensor.quantize_q4_0(np.ones((4, 64), np.float32))
     p = bq.repack(t)

@@ -475,7 +475,9 @@ def _into(a: np.ndarray, n: int, m: int, t: int) -> tuple[np.ndarray, int] | Non
 
 def _check_key_args(q, k_codes, bits, key_group):
     q = np.ascontiguousarray(q, dtype=np.float32)
-    n, m, d = q.shape
+    if q.ndim != 3:
+        raise ValueError(f"q must be [n, M, D], got shape {q.shape}")
+    n, _, d = q.shape
     bits, kg = int(bits), int(key_group)
     _check_codec(bits, d, kg)
     codes = np.asarray(k_codes)

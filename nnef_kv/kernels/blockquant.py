@@ -4,7 +4,8 @@
 ``[prod(shape[:-1]), shape[-1]]``), its 32-value blocks along the last axis ``K``. That is the layout of
 a torch ``Linear`` weight ``[out, in]``, which torch-to-nnef / tract use as ``linear(x, W, b)`` or
 ``matmul(x, W, transposeB = true)``: the product is **y = x @ W.T** (``x`` ``[..., K]`` -> ``y``
-``[..., N]``), each output a dot product along the blocks. Today the interpreter dequantizes such a
+``[..., N]``), each output a dot product along the blocks (checked against tract's own output on the
+``tract-harness/q40_linear_followed_slice`` conformance case, legacy nibble order). Today the interpreter dequantizes such a
 variable when it is read (``nnef_kv/interpreter/graph.py``, ``_variable``: ``t.dequantize()``) and
 ``linear`` / ``matmul`` (``nnef_kv/interpreter/ops/nnef_std.py``) multiply by the f32 copy; this kernel
 would plug in there: keep ``repack(t)`` instead of ``t.dequantize()`` for a variable whose only uses are
