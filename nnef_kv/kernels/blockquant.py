@@ -52,9 +52,10 @@ from . import kernel
 __all__ = ["PackedWeights", "repack", "dequantize_t", "matvec", "matmul", "BLAS_ROWS"]
 
 #: above this many rows (per format) the numba side dequantizes blocks of W.T and calls BLAS on them:
-#: the measured crossover on the 2-core machine (benchmarks/kernels.py: for 4096 x 4096, Q4_0 rows
-#: kernel 0.33x / 0.44x / 0.76x of f32 at M = 2 / 4 / 8, tiles 0.48x / 0.50x / 0.64x; Q8_1 rows
-#: 0.44x / 0.57x, tiles 0.42x / 0.46x at M = 2 / 4)
+#: the measured crossover on the 2-core machine (benchmarks/kernels.py, 4096 x 4096, BLAS on one
+#: thread, against f32 ``x @ W.T``): Q4_0 rows kernel 0.34x / 0.50x / 0.76x at M = 2 / 4 / 8, blocks +
+#: BLAS 0.50x / 0.53x / 0.75x (0.73x - 0.86x up to M = 64); Q8_1 rows 0.45x / 0.57x at M = 2 / 4,
+#: blocks + BLAS 0.50x / 0.54x
 BLAS_ROWS = {"Q4_0": 4, "Q8_1": 2}
 
 

@@ -41,7 +41,10 @@ residual window in full precision and, between them, ``Tq`` quantized tokens sto
 and values): :func:`attend` falls back to ``KiviSdpa``'s own NumPy path when there are outliers, for the
 ``"split"`` / ``"rows"`` codec layouts (3, 5, 6, 7 bits, or sizes that do not divide), and when the score
 matrix would exceed the cache's ``score_budget`` (long prefill chunks: the online-softmax path).
-Where it would plug in: ``KiviSdpa._attend_heads`` (``nnef_kv/kv/kivi.py``), for the two-pass case.
+Where it would plug in (not wired yet): ``KiviSdpa.__call__`` (``nnef_kv/kv/kivi.py``) calls
+``self._attend(qn, sq)``; :func:`attend` takes the same arguments (``attend(self, qn, sq)``) and gives the
+same result, choosing the kernels or that NumPy path itself. The key and value cores decode the codes
+once per query row: the cost grows with ``M`` (GQA rows), where BLAS reuses its f32 block.
 """
 from __future__ import annotations
 
