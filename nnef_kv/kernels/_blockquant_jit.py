@@ -4,7 +4,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from ._numba_common import JIT, h2f
+from ._numba_common import JIT, h2f, wide_vectors
 from . import blockquant as _bq
 from .blockquant import PackedWeights, _check_x
 from .blockquant import matmul as _matmul_kernel
@@ -25,6 +25,7 @@ def _tile(n: int, m: int) -> int:
 @njit(**JIT)
 def _q4_rows(codes, sbits, x, y):
     """y[m, :] = x[m, :] @ W.T for Q4_0 codes [K/2, N] (uint8), f16 scale bits [K/32, N] (uint16)."""
+    wide_vectors()
     k2, n = codes.shape
     m_rows = x.shape[0]
     nb = k2 // 16
@@ -95,6 +96,7 @@ def _q4_rows(codes, sbits, x, y):
 @njit(**JIT)
 def _q8_rows(codes, sbits, x, y):
     """y[m, :] = x[m, :] @ W.T for Q8_1 codes [K, N] (int8), f16 scale bits [K/32, N] (uint16)."""
+    wide_vectors()
     k, n = codes.shape
     m_rows = x.shape[0]
     nb = k // 32
@@ -147,6 +149,7 @@ def _q8_rows(codes, sbits, x, y):
 @njit(**JIT)
 def _q4_dequant_block(codes, sbits, k0, k1, n0, n1, out):
     """out[k - k0, j] = W[n0 + j, k] as f32 for k in [k0, k1) (multiples of 32), Q4_0."""
+    wide_vectors()
     w = n1 - n0
     sc = np.empty(w, np.float32)
     for b in range(k0 // 32, k1 // 32):
@@ -166,6 +169,7 @@ def _q4_dequant_block(codes, sbits, k0, k1, n0, n1, out):
 @njit(**JIT)
 def _q8_dequant_block(codes, sbits, k0, k1, n0, n1, out):
     """out[k - k0, j] = W[n0 + j, k] as f32 for k in [k0, k1) (multiples of 32), Q8_1."""
+    wide_vectors()
     w = n1 - n0
     sc = np.empty(w, np.float32)
     for b in range(k0 // 32, k1 // 32):

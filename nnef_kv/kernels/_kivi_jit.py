@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 from numba import njit, prange
 
-from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, widen
+from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, wide_vectors, widen
 from .kivi_attention import _check_codec, cache_arrays, unsupported_reason
 from .kivi_attention import attend as _attend_kernel
 
@@ -37,9 +37,11 @@ def _prange_is_safe() -> bool:
 #: how ``threads > 1`` splits the kv heads: "prange" (numba ``parallel=True`` loops over the heads) or
 #: "pool" (a thread pool over contiguous head ranges, one nogil call a thread a phase). Measured on the
 #: 2-vCPU machine, 4 bits, T = 8192 (benchmarks/kernels.py, each mode in a fresh process): threads=2
-#: takes 0.58-0.59x of threads=1 with prange, 0.73-0.75x with the pool (Python dispatch and waking a
-#: sleeping worker, ~0.1 ms a call, against OpenMP workers that spin). prange when the threading layer
-#: is thread-safe, else the pool.
+#: takes 0.58-0.61x of threads=1 with prange, 0.72-0.76x with the pool (Python dispatch and waking a
+#: sleeping worker, ~0.1-0.3 ms a call, against OpenMP workers that spin). prange when the threading
+#: layer is thread-safe, else the pool. Caveat: OpenMP's workers spin for a while after each call, and
+#: on this shared VM interleaving them with OpenBLAS's own spinning threads makes 2-thread timings of
+#: either side erratic (see the benchmark output).
 PARALLEL = "prange" if _prange_is_safe() else "pool"
 
 
@@ -49,6 +51,7 @@ def _key_head(q, codes, kmin, kstep, bits, kg, tq, out, off, qs):
     """One kv head: q [M, D] f32, codes [>= Tq, D/per] u8 (the first Tq rows are read), kmin/kstep
     [>= Tq/kg, D] (f32 or f16 bits); scores into out[:, off:off + Tq] (out [M, >= off + Tq] f32); qs a
     [D] f32 scratch."""
+    wide_vectors()
     m_rows, d = q.shape
     per = 8 // bits
     sub = kg // per
@@ -145,6 +148,7 @@ def _key_heads(h0, h1, q, codes, kmin, kstep, bits, kg, tq, out, off):
 def _value_weights(pm, vmin, vstep, tq, pw, base):
     """pw[t, j] = p[t] * step[t, j] (the value step folded into the weights: the reference's products)
     and base[j] = sum_t p[t] * min[t, j], t < tq (a dot product: ``reassoc`` lets it vectorise)."""
+    wide_vectors()
     nvg = vstep.shape[1]
     for j in range(nvg):
         acc = np.float32(0.0)
@@ -158,6 +162,7 @@ def _value_weights(pm, vmin, vstep, tq, pw, base):
 @njit(**JIT)
 def _values8(flat, pw, tq, d, vg, om):
     """om[c] += sum_t pw[t, j(c)] * code[t, c], 8-bit codes (plain [Tq, D] bytes), two tokens a pass."""
+    wide_vectors()
     nvg = d // vg
     t = 0
     while t + 1 < tq:
@@ -185,6 +190,7 @@ def _values8(flat, pw, tq, d, vg, om):
 def _values4(flat, pw, tq, d, kg, vg, om):
     """4-bit token-planar groups: byte row r of a group holds tokens r (low) and r + kg/2 (high); two
     byte rows a pass."""
+    wide_vectors()
     nvg = d // vg
     sub = kg // 2
     for g in range(tq // kg):
@@ -230,6 +236,7 @@ def _values4(flat, pw, tq, d, kg, vg, om):
 @njit(**JIT)
 def _values2(flat, pw, tq, d, kg, vg, om):
     """2-bit token-planar groups: byte row r holds tokens r + i * kg/4 in bit field i."""
+    wide_vectors()
     nvg = d // vg
     sub = kg // 4
     for g in range(tq // kg):
@@ -257,6 +264,7 @@ def _values2(flat, pw, tq, d, kg, vg, om):
 @njit(**JIT)
 def _values1(flat, pw, tq, d, kg, vg, om):
     """1-bit token-planar groups: byte row r holds tokens r + i * kg/8 in bit i."""
+    wide_vectors()
     nvg = d // vg
     sub = kg // 8
     for g in range(tq // kg):
@@ -330,6 +338,7 @@ def _value_heads(h0, h1, p, off, codes, vmin, vstep, bits, kg, vg, tq, out):
 @njit(**JIT_REASSOC)
 def _dot_rows(qm, k, n_rows, out, off):
     """out[off + t] = sum_c qm[c] * k[t, c] for t < n_rows (k f32 or f16 bits): sinks and window."""
+    wide_vectors()
     d = qm.shape[0]
     for t in range(n_rows):
         kt = k[t]
@@ -342,6 +351,7 @@ def _dot_rows(qm, k, n_rows, out, off):
 @njit(**JIT)
 def _axpy_rows(pm, off, v, n_rows, om):
     """om[c] += sum_t p[off + t] * v[t, c] for t < n_rows (v f32 or f16 bits)."""
+    wide_vectors()
     d = om.shape[0]
     for t in range(n_rows):
         w = pm[off + t]
