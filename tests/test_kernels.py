@@ -95,6 +95,27 @@ def test_f16_widening_is_exact_for_every_pattern():
         assert np.array_equal(o[~nan].view(np.uint32), ref[~nan].view(np.uint32)) and np.isnan(o[nan]).all()
 
 
+@requires_numba
+def test_wide_vector_hint_reaches_llvm():
+    """On AVX-512 hosts the cores carry LLVM's "prefer-vector-width"="512" (a hint: same results up to
+    the lane count of the reassociated sums); elsewhere nothing is added."""
+    from numba import njit
+
+    from nnef_kv.kernels._numba_common import WIDE, wide_vectors
+
+    @njit
+    def scale(a, out):
+        wide_vectors()
+        for i in range(a.size):
+            out[i] = a[i] * np.float32(2)
+
+    a = np.arange(64, dtype=np.float32)
+    out = np.empty_like(a)
+    scale(a, out)
+    assert np.array_equal(out, 2 * a)
+    assert ('"prefer-vector-width"="512"' in scale.inspect_llvm(scale.signatures[0])) == WIDE
+
+
 # ================================================================================= weights
 def _quantized(rng, n: int, k: int, fmt: str, scale: float = 1.0) -> BlockQuantTensor:
     w = (rng.standard_normal((n, k)) * scale).astype(np.float32)
