@@ -1,0 +1,228 @@
+"""The numba kernels of ``nnef_kv.kernels`` against f32 NumPy/BLAS, paired and interleaved.
+
+(a) Q4_0 / Q8_1 weight products (``nnef_kv.kernels.blockquant``) against f32 BLAS with the dequantized
+    weights, BLAS pinned to one thread (threadpoolctl): matvec 4096x4096, [512 -> 1536], [512 -> 8192],
+    and a few row counts M (decode / short prefill, the BLAS_ROWS crossover).
+(b) KIVI decode-step attention on packed codes (``nnef_kv.kernels.kivi_attention.attend``): T tokens,
+    8 kv heads x 128, key_group 32, value_group 32 and 128, residual 32, bits 1/2/4/8, one query row a
+    head, against exact f32 attention on an f32 cache (NumPy matmul, softmax, matmul on
+    ``[8, 1, T]`` scores), on one thread (kernel threads=1, BLAS 1) and two (kernel threads=2, BLAS 2);
+    the NumPy path of ``KiviSdpa`` is shown beside for reference.
+
+Every figure is the median over rounds of the per-round ratio ``kernel time / f32 time``, the two sides
+timed back to back in each round in alternating order (the machine is shared: pairing cancels most of
+the drift). The first call of each kernel (JIT compile, or loading numba's on-disk cache) is timed
+separately and printed, and kept out of the figures.
+
+    python benchmarks/kernels.py                 # everything
+    python benchmarks/kernels.py --quick         # fewer rounds, T = 2048
+    python benchmarks/kernels.py --only kivi     # or: --only weights
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's nnef_kv first
+
+from threadpoolctl import threadpool_limits  # noqa: E402
+
+from nnef_kv.io.blockquant import BlockQuantTensor  # noqa: E402
+from nnef_kv.kernels import blockquant as bq  # noqa: E402
+from nnef_kv.kernels import kivi_attention as ka  # noqa: E402
+from nnef_kv.kernels import numba_available  # noqa: E402
+from nnef_kv.kv.kivi import KiviSdpa  # noqa: E402
+
+
+def paired(a: Callable[[], object], b: Callable[[], object], rounds: int, inner: int = 1) -> tuple[float, float, float]:
+    """Median of per-round ratios time(b) / time(a), with the medians of both times (seconds); the order
+    of a and b alternates from round to round; ``inner`` calls a side per timing."""
+    ta, tb, ratios = [], [], []
+    for i in range(rounds):
+        order = (a, b) if i % 2 == 0 else (b, a)
+        t = {}
+        for f in order:
+            t0 = time.perf_counter()
+            for _ in range(inner):
+                f()
+            t[f] = (time.perf_counter() - t0) / inner
+        ta.append(t[a])
+        tb.append(t[b])
+        ratios.append(t[b] / t[a])
+    return float(np.median(ratios)), float(np.median(ta)), float(np.median(tb))
+
+
+def first_call(f: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    f()
+    return time.perf_counter() - t0
+
+
+# ============================================================================ (a) weights
+def bench_weights(rounds: int) -> None:
+    print("== (a) block-quantized weight products, y = x @ W.T, BLAS on 1 thread ==")
+    rng = np.random.default_rng(0)
+    shapes = [(4096, 4096), (1536, 512), (8192, 512)]  # (N outputs, K inputs)
+    jit_printed = set()
+    with threadpool_limits(1):
+        for fmt in ("Q4_0", "Q8_1"):
+            for n, k in shapes:
+                w = rng.standard_normal((n, k)).astype(np.float32)
+                t = BlockQuantTensor.quantize_q4_0(w) if fmt == "Q4_0" else BlockQuantTensor.quantize_q8_1(w)
+                p = bq.repack(t)
+                wd = np.ascontiguousarray(t.dequantize().reshape(n, k))
+                x = rng.standard_normal(k).astype(np.float32)
+                if fmt not in jit_printed:
+                    print(f"  {fmt} first call (JIT compile or cache load): {first_call(lambda: bq.matvec(p, x)):.2f} s")
+                    jit_printed.add(fmt)
+                np.testing.assert_allclose(bq.matvec(p, x), wd @ x, rtol=1e-3, atol=1e-3)
+                inner = max(1, int(2e6 // (n * k)))
+                r, tf, tk = paired(lambda: wd @ x, lambda: bq.matvec(p, x), rounds, inner)
+                print(f"  {fmt} matvec [{k} -> {n}]: f32 gemv {tf * 1e3:7.3f} ms, kernel {tk * 1e3:7.3f} ms, "
+                      f"kernel/f32 = {r:.2f}  ({p.bits_per_weight:.2f} bits a weight)")
+            n = k = 4096
+            w = rng.standard_normal((n, k)).astype(np.float32)
+            t = BlockQuantTensor.quantize_q4_0(w) if fmt == "Q4_0" else BlockQuantTensor.quantize_q8_1(w)
+            p = bq.repack(t)
+            wd = np.ascontiguousarray(t.dequantize().reshape(n, k))
+            for m in (2, 4, 8, 16, 32, 64):
+                x = rng.standard_normal((m, k)).astype(np.float32)
+                saved = dict(bq.BLAS_ROWS)
+                try:
+                    bq.BLAS_ROWS[fmt] = 1 << 30
+                    first_call(lambda: bq.matmul.jit(p, x))
+                    r1, tf, t1 = paired(lambda: x @ wd.T, lambda: bq.matmul.jit(p, x), max(3, rounds // 3))
+                    bq.BLAS_ROWS[fmt] = 0
+                    first_call(lambda: bq.matmul.jit(p, x))
+                    r2, _, t2 = paired(lambda: x @ wd.T, lambda: bq.matmul.jit(p, x), max(3, rounds // 3))
+                finally:
+                    bq.BLAS_ROWS.update(saved)
+                print(f"  {fmt} matmul M={m:3d} [4096 -> 4096]: f32 {tf * 1e3:7.2f} ms; row kernel/f32 = {r1:.2f}, "
+                      f"tiles+BLAS/f32 = {r2:.2f}  (rows {t1 * 1e3:.2f} ms, tiles {t2 * 1e3:.2f} ms; "
+                      f"BLAS_ROWS = {bq.BLAS_ROWS[fmt]})")
+
+
+# ============================================================================== (b) KIVI
+def make_cache(t: int, bits: int, value_group: int, hkv: int = 8, d: int = 128, seed: int = 0) -> KiviSdpa:
+    rng = np.random.default_rng(seed)
+    sd = KiviSdpa(bits=bits, key_group=32, value_group=value_group, residual=32, sinks=0)
+    k = rng.standard_normal((1, hkv, t, d)).astype(np.float32)
+    v = rng.standard_normal((1, hkv, t, d)).astype(np.float32)
+    q = rng.standard_normal((1, hkv, 1, d)).astype(np.float32)
+    for t0 in range(0, t, 1024):  # prefill in chunks of 1024 tokens, one query row each
+        sd(q, k[:, :, t0:t0 + 1024], v[:, :, t0:t0 + 1024])
+    return sd
+
+
+def f32_attention(q: np.ndarray, kf: np.ndarray, vf: np.ndarray, scale: float) -> np.ndarray:
+    s = np.matmul(q * np.float32(scale), kf.swapaxes(-1, -2))  # [n, 1, T]
+    s -= s.max(axis=-1, keepdims=True)
+    p = np.exp(s, out=s)
+    out = np.matmul(p, vf)
+    return out / p.sum(axis=-1, keepdims=True)
+
+
+def bench_kivi(t: int, rounds: int, bit_list: list[int], groups: list[int], rows: int = 1) -> None:
+    print(f"== (b) KIVI decode attention, T = {t}, 8 kv heads x 128, key_group 32, residual 32, "
+          f"M = {rows} query row(s) a kv head ==")
+    rng = np.random.default_rng(1)
+    hkv, d = 8, 128
+    kf = rng.standard_normal((hkv, t, d)).astype(np.float32)
+    vf = rng.standard_normal((hkv, t, d)).astype(np.float32)
+    q = rng.standard_normal((hkv, rows, d)).astype(np.float32)
+    jit_done = False
+    for vg in groups:
+        for bits in bit_list:
+            sd = make_cache(t, bits, vg)
+            assert ka.unsupported_reason(sd, rows) is None
+            if not jit_done:
+                for nth in (1, 2):
+                    print(f"  first call (JIT compile or cache load), threads={nth}: "
+                          f"{first_call(lambda: ka.attend.jit(sd, q, 1, nth)):.2f} s")
+                jit_done = True
+            ka.attend.jit(sd, q, 1, 2)
+            ref = sd._attend(q, 1)
+            got = ka.attend.jit(sd, q, 1, 1)
+            err = float(np.abs(got - ref).max())
+            cells = []
+            for nth in (1, 2):
+                with threadpool_limits(nth):
+                    r, tf, tk = paired(lambda: f32_attention(q, kf, vf, 0.125),
+                                       lambda: ka.attend.jit(sd, q, 1, nth), rounds)
+                    sd.threads = nth
+                    rn, _, tn = paired(lambda: f32_attention(q, kf, vf, 0.125), lambda: sd._attend(q, 1),
+                                       max(3, rounds // 2))
+                    sd.threads = 1
+                cells.append(f"{nth} thr: f32 {tf * 1e3:6.2f} ms, kernel {tk * 1e3:6.2f} ms = {r:.2f}x "
+                             f"(NumPy path {rn:.2f}x)")
+            print(f"  {bits} bits, value_group {vg:3d}: " + " | ".join(cells) + f"  max|diff| vs NumPy {err:.1e}")
+
+
+def bench_parallel(t: int, rounds: int) -> None:
+    """threads=2 against threads=1 for each way of splitting the heads (4 bits), each mode in its own
+    process: numba's OpenMP workers spin after a prange call and would slow whatever runs next."""
+    import subprocess
+    print(f"== splitting the 8 kv heads over 2 threads, 4 bits, value_group 32, T = {t} "
+          f"(each mode in a fresh process) ==")
+    for mode in ("pool", "prange"):
+        out = subprocess.run([sys.executable, __file__, "--speedup", mode, "--tokens", str(t), "--rounds", str(rounds)],
+                             capture_output=True, text=True)
+        print("  " + (out.stdout.strip() or out.stderr.strip()[-500:]))
+
+
+def speedup(mode: str, t: int, rounds: int) -> None:
+    from nnef_kv.kernels import _kivi_jit as kj
+    kj.PARALLEL = mode
+    rng = np.random.default_rng(2)
+    q = rng.standard_normal((8, 1, 128)).astype(np.float32)
+    sd = make_cache(t, 4, 32)
+    jt = first_call(lambda: ka.attend.jit(sd, q, 1, 2))
+    ka.attend.jit(sd, q, 1, 1)
+    with threadpool_limits(1):
+        r, t1, t2 = paired(lambda: ka.attend.jit(sd, q, 1, 1), lambda: ka.attend.jit(sd, q, 1, 2), rounds)
+    print(f"{mode:6s}: threads=1 {t1 * 1e3:.2f} ms, threads=2 {t2 * 1e3:.2f} ms, 2 threads / 1 thread = {r:.2f} "
+          f"(first call with threads=2: {jt:.2f} s)")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--quick", action="store_true", help="fewer rounds, T = 2048")
+    ap.add_argument("--only", choices=["weights", "kivi"], default=None)
+    ap.add_argument("--rounds", type=int, default=0)
+    ap.add_argument("--tokens", type=int, default=0)
+    ap.add_argument("--parallel", choices=["pool", "prange"], default=None,
+                    help="how the KIVI kernels split heads over threads (default: nnef_kv.kernels._kivi_jit.PARALLEL)")
+    ap.add_argument("--bits", default="1,2,4,8", help="KIVI bit widths, comma-separated (default 1,2,4,8)")
+    ap.add_argument("--groups", default="32,128", help="KIVI value groups, comma-separated (default 32,128)")
+    ap.add_argument("--rows", type=int, default=1, help="query rows a kv head (GQA group), default 1")
+    ap.add_argument("--speedup", choices=["pool", "prange"], default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if not numba_available():
+        print("numba is not available (or NNEF_KV_NO_NUMBA=1): nothing to measure")
+        return 1
+    rounds = args.rounds or (7 if args.quick else 21)
+    t = args.tokens or (2048 if args.quick else 8192)
+    if args.speedup:
+        speedup(args.speedup, t, rounds)
+        return 0
+    from nnef_kv.kernels import _kivi_jit as kj
+    kj.PARALLEL = args.parallel or kj.PARALLEL
+    print(f"load average before: {os.getloadavg()}; KIVI heads split by: {kj.PARALLEL}")
+    if args.only in (None, "weights"):
+        bench_weights(rounds)
+    if args.only in (None, "kivi"):
+        bench_kivi(t, rounds, [int(b) for b in args.bits.split(",")], [int(g) for g in args.groups.split(",")],
+                   args.rows)
+        bench_parallel(t, rounds)
+    print(f"load average after: {os.getloadavg()}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,90 @@
+"""numba kernels for the few operations NumPy cannot run at memory speed, each beside a NumPy reference.
+
+Every kernel is a :class:`Kernel`: a plain NumPy **reference** function and a **numba** function with the
+same signature (a Python wrapper that checks and allocates, around ``@njit(cache=True, nogil=True)``
+cores). Calling the kernel runs the numba function when :func:`numba_available` says so, else the
+reference. ``kernel.reference`` / ``kernel.jit`` call one side explicitly (the differential tests do).
+
+Nothing here imports numba at ``import nnef_kv`` time: the numba side lives in modules named
+``_*_jit.py`` that are imported on the first call of a kernel (that import, and the first call of each
+core, compiles or loads the on-disk cache of the numba functions, ``cache=True``).
+
+``NNEF_KV_NO_NUMBA=1`` in the environment forces the NumPy references (the "forced fallback" of tests
+and CI); it is read at every call, so a test can flip it.
+
+Kernels:
+
+* :mod:`nnef_kv.kernels.blockquant`: Q4_0 / Q8_1 weight products kept as blocks (``repack``,
+  ``matvec``, ``matmul``; ``y = x @ W.T`` with ``W`` ``[N, K]`` as stored by tract).
+* :mod:`nnef_kv.kernels.kivi_attention`: the KIVI decode-step attention on packed codes
+  (``key_scores``, ``value_sum``, ``decode_attention``, ``attend``).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+from typing import Any, Callable
+
+__all__ = ["numba_available", "Kernel", "kernel", "NO_NUMBA_ENV"]
+
+NO_NUMBA_ENV = "NNEF_KV_NO_NUMBA"
+
+_numba_ok: bool | None = None  # None: not tried yet
+
+
+def numba_available() -> bool:
+    """True when the numba kernels are used: numba imports and ``NNEF_KV_NO_NUMBA`` is not ``1``.
+
+    numba is imported on the first call (not at import of nnef_kv); the result of that import is
+    remembered, the environment variable is read every time."""
+    global _numba_ok
+    if os.environ.get(NO_NUMBA_ENV, "").strip() == "1":
+        return False
+    if _numba_ok is None:
+        try:
+            import numba  # noqa: F401
+        except Exception:  # absent, or broken (e.g. built against another NumPy)
+            _numba_ok = False
+        else:
+            _numba_ok = True
+    return _numba_ok
+
+
+class Kernel:
+    """A NumPy reference and a numba implementation of one operation, with the same signature.
+
+    ``jit_path`` is ``"module:function"``; the module is imported on first use."""
+
+    def __init__(self, reference: Callable[..., Any], jit_path: str) -> None:
+        self.reference = reference
+        self.jit_path = jit_path
+        self._jit: Callable[..., Any] | None = None
+        self.__name__ = reference.__name__
+        self.__qualname__ = getattr(reference, "__qualname__", reference.__name__)
+        self.__doc__ = reference.__doc__
+        self.__module__ = reference.__module__
+        self.__wrapped__ = reference
+
+    @property
+    def jit(self) -> Callable[..., Any]:
+        """The numba implementation (imports numba and the kernel's ``_*_jit`` module)."""
+        if self._jit is None:
+            mod, _, attr = self.jit_path.partition(":")
+            self._jit = getattr(importlib.import_module(mod), attr)
+        return self._jit
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if numba_available():
+            return self.jit(*args, **kwargs)
+        return self.reference(*args, **kwargs)
+
+    def __repr__(self) -> str:
+        return f"<kernel {self.__module__}.{self.__name__} (numba: {self.jit_path})>"
+
+
+def kernel(jit_path: str) -> Callable[[Callable[..., Any]], Kernel]:
+    """Decorator: the decorated NumPy function becomes the reference of a :class:`Kernel` whose numba
+    side is ``jit_path`` (``"module:function"``, same signature)."""
+    def wrap(reference: Callable[..., Any]) -> Kernel:
+        return Kernel(reference, jit_path)
+    return wrap

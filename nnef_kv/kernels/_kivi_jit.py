@@ -1,0 +1,631 @@
+"""numba side of :mod:`nnef_kv.kernels.kivi_attention` (imported on first use; see that module for the
+layout, the loops and why the key core alone has ``fastmath={"reassoc"}``)."""
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+from numba import njit, prange
+
+from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, wide_vectors, widen
+from .kivi_attention import _check_codec, cache_arrays, unsupported_reason
+from .kivi_attention import attend as _attend_kernel
+
+__all__ = ["key_scores", "value_sum", "decode_attention", "attend", "PARALLEL"]
+
+def _prange_is_safe() -> bool:
+    """numba's threading layer will be OpenMP or TBB (thread-safe); not the workqueue layer, which
+    aborts the process when two Python threads enter parallel code at once."""
+    import importlib
+
+    import numba
+
+    layer = str(numba.config.THREADING_LAYER).lower()
+    if layer == "workqueue":
+        return False
+    for mod in ("numba.np.ufunc.tbbpool", "numba.np.ufunc.omppool"):
+        try:
+            importlib.import_module(mod)
+            return True
+        except Exception:  # pragma: no cover - depends on the installation
+            continue
+    return False  # pragma: no cover
+
+
+#: how ``threads > 1`` splits the kv heads: "prange" (numba ``parallel=True`` loops over the heads) or
+#: "pool" (a thread pool over contiguous head ranges, one nogil call a thread a phase). Measured on the
+#: 2-vCPU machine, 4 bits, T = 8192 (benchmarks/kernels.py, each mode in a fresh process): threads=2
+#: takes 0.58-0.61x of threads=1 with prange, 0.72-0.76x with the pool (Python dispatch and waking a
+#: sleeping worker, ~0.1-0.3 ms a call, against OpenMP workers that spin). prange when the threading
+#: layer is thread-safe, else the pool. Caveat: OpenMP's workers spin for a while after each call, and
+#: on this shared VM interleaving them with OpenBLAS's own spinning threads makes 2-thread timings of
+#: either side erratic (see the benchmark output).
+PARALLEL = "prange" if _prange_is_safe() else "pool"
+
+
+# ===================================================================================== keys
+@njit(**JIT_REASSOC)
+def _key_head(q, codes, kmin, kstep, bits, kg, tq, out, off, qs):
+    """One kv head: q [M, D] f32, codes [>= Tq, D/per] u8 (the first Tq rows are read), kmin/kstep
+    [>= Tq/kg, D] (f32 or f16 bits); scores into out[:, off:off + Tq] (out [M, >= off + Tq] f32); qs a
+    [D] f32 scratch."""
+    wide_vectors()
+    m_rows, d = q.shape
+    per = 8 // bits
+    sub = kg // per
+    rb = d // per
+    flat = codes.reshape(-1)
+    for g in range(tq // kg):
+        t0 = g * kg
+        base = t0 * rb
+        for m in range(m_rows):
+            qm = q[m]
+            om = out[m, off:off + tq]
+            qmin = np.float32(0.0)
+            for c in range(d):
+                qs[c] = qm[c] * widen(kstep[g, c])
+                qmin += qm[c] * widen(kmin[g, c])
+            if bits == 4:
+                for r in range(sub):
+                    row = flat[base + r * d:base + (r + 1) * d]
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    for c in range(d):
+                        b = np.uint32(row[c])
+                        w = qs[c]
+                        a0 += w * np.float32(np.int32(b & np.uint32(15)))
+                        a1 += w * np.float32(np.int32(b >> np.uint32(4)))
+                    om[t0 + r] = a0 + qmin
+                    om[t0 + sub + r] = a1 + qmin
+            elif bits == 8:
+                for r in range(kg):
+                    row = flat[base + r * d:base + (r + 1) * d]
+                    a0 = np.float32(0.0)
+                    for c in range(d):
+                        a0 += qs[c] * np.float32(np.int32(row[c]))
+                    om[t0 + r] = a0 + qmin
+            elif bits == 2:
+                for r in range(sub):
+                    row = flat[base + r * d:base + (r + 1) * d]
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    a2 = np.float32(0.0)
+                    a3 = np.float32(0.0)
+                    for c in range(d):
+                        b = np.uint32(row[c])
+                        w = qs[c]
+                        a0 += w * np.float32(np.int32(b & np.uint32(3)))
+                        a1 += w * np.float32(np.int32((b >> np.uint32(2)) & np.uint32(3)))
+                        a2 += w * np.float32(np.int32((b >> np.uint32(4)) & np.uint32(3)))
+                        a3 += w * np.float32(np.int32(b >> np.uint32(6)))
+                    om[t0 + r] = a0 + qmin
+                    om[t0 + sub + r] = a1 + qmin
+                    om[t0 + 2 * sub + r] = a2 + qmin
+                    om[t0 + 3 * sub + r] = a3 + qmin
+            else:  # 1 bit
+                for r in range(sub):
+                    row = flat[base + r * d:base + (r + 1) * d]
+                    a0 = np.float32(0.0)
+                    a1 = np.float32(0.0)
+                    a2 = np.float32(0.0)
+                    a3 = np.float32(0.0)
+                    a4 = np.float32(0.0)
+                    a5 = np.float32(0.0)
+                    a6 = np.float32(0.0)
+                    a7 = np.float32(0.0)
+                    for c in range(d):
+                        b = np.uint32(row[c])
+                        w = qs[c]
+                        a0 += w * np.float32(np.int32(b & np.uint32(1)))
+                        a1 += w * np.float32(np.int32((b >> np.uint32(1)) & np.uint32(1)))
+                        a2 += w * np.float32(np.int32((b >> np.uint32(2)) & np.uint32(1)))
+                        a3 += w * np.float32(np.int32((b >> np.uint32(3)) & np.uint32(1)))
+                        a4 += w * np.float32(np.int32((b >> np.uint32(4)) & np.uint32(1)))
+                        a5 += w * np.float32(np.int32((b >> np.uint32(5)) & np.uint32(1)))
+                        a6 += w * np.float32(np.int32((b >> np.uint32(6)) & np.uint32(1)))
+                        a7 += w * np.float32(np.int32(b >> np.uint32(7)))
+                    om[t0 + r] = a0 + qmin
+                    om[t0 + sub + r] = a1 + qmin
+                    om[t0 + 2 * sub + r] = a2 + qmin
+                    om[t0 + 3 * sub + r] = a3 + qmin
+                    om[t0 + 4 * sub + r] = a4 + qmin
+                    om[t0 + 5 * sub + r] = a5 + qmin
+                    om[t0 + 6 * sub + r] = a6 + qmin
+                    om[t0 + 7 * sub + r] = a7 + qmin
+
+
+@njit(**JIT)
+def _key_heads(h0, h1, q, codes, kmin, kstep, bits, kg, tq, out, off):
+    qs = np.empty(q.shape[2], np.float32)
+    for h in range(h0, h1):
+        _key_head(q[h], codes[h], kmin[h], kstep[h], bits, kg, tq, out[h], off, qs)
+
+
+# =================================================================================== values
+@njit(**JIT_REASSOC)
+def _value_weights(pm, vmin, vstep, tq, pw, base):
+    """pw[t, j] = p[t] * step[t, j] (the value step folded into the weights: the reference's products)
+    and base[j] = sum_t p[t] * min[t, j], t < tq (a dot product: ``reassoc`` lets it vectorise)."""
+    wide_vectors()
+    nvg = vstep.shape[1]
+    for j in range(nvg):
+        acc = np.float32(0.0)
+        for t in range(tq):
+            v = pm[t]
+            pw[t, j] = v * widen(vstep[t, j])
+            acc += v * widen(vmin[t, j])
+        base[j] = acc
+
+
+@njit(**JIT)
+def _values8(flat, pw, tq, d, vg, om):
+    """om[c] += sum_t pw[t, j(c)] * code[t, c], 8-bit codes (plain [Tq, D] bytes), two tokens a pass."""
+    wide_vectors()
+    nvg = d // vg
+    t = 0
+    while t + 1 < tq:
+        for j in range(nvg):
+            c0 = j * vg
+            w0 = pw[t, j]
+            w1 = pw[t + 1, j]
+            r0 = flat[t * d + c0:t * d + c0 + vg]
+            r1 = flat[(t + 1) * d + c0:(t + 1) * d + c0 + vg]
+            oj = om[c0:c0 + vg]
+            for c in range(vg):
+                oj[c] += w0 * np.float32(np.int32(r0[c])) + w1 * np.float32(np.int32(r1[c]))
+        t += 2
+    if t < tq:
+        for j in range(nvg):
+            c0 = j * vg
+            w0 = pw[t, j]
+            r0 = flat[t * d + c0:t * d + c0 + vg]
+            oj = om[c0:c0 + vg]
+            for c in range(vg):
+                oj[c] += w0 * np.float32(np.int32(r0[c]))
+
+
+@njit(**JIT)
+def _values4(flat, pw, tq, d, kg, vg, om):
+    """4-bit token-planar groups: byte row r of a group holds tokens r (low) and r + kg/2 (high); two
+    byte rows a pass."""
+    wide_vectors()
+    nvg = d // vg
+    sub = kg // 2
+    for g in range(tq // kg):
+        t0 = g * kg
+        gb = t0 * (d // 2)
+        r = 0
+        while r + 1 < sub:
+            ra = flat[gb + r * d:gb + (r + 1) * d]
+            rb = flat[gb + (r + 1) * d:gb + (r + 2) * d]
+            ta = t0 + r
+            for j in range(nvg):
+                c0 = j * vg
+                w0 = pw[ta, j]
+                w1 = pw[ta + sub, j]
+                w2 = pw[ta + 1, j]
+                w3 = pw[ta + 1 + sub, j]
+                ra_j = ra[c0:c0 + vg]
+                rb_j = rb[c0:c0 + vg]
+                oj = om[c0:c0 + vg]
+                for c in range(vg):
+                    b = np.uint32(ra_j[c])
+                    e = np.uint32(rb_j[c])
+                    oj[c] += ((w0 * np.float32(np.int32(b & np.uint32(15)))
+                               + w1 * np.float32(np.int32(b >> np.uint32(4))))
+                              + (w2 * np.float32(np.int32(e & np.uint32(15)))
+                                 + w3 * np.float32(np.int32(e >> np.uint32(4)))))
+            r += 2
+        if r < sub:
+            ra = flat[gb + r * d:gb + (r + 1) * d]
+            ta = t0 + r
+            for j in range(nvg):
+                c0 = j * vg
+                w0 = pw[ta, j]
+                w1 = pw[ta + sub, j]
+                ra_j = ra[c0:c0 + vg]
+                oj = om[c0:c0 + vg]
+                for c in range(vg):
+                    b = np.uint32(ra_j[c])
+                    oj[c] += (w0 * np.float32(np.int32(b & np.uint32(15)))
+                              + w1 * np.float32(np.int32(b >> np.uint32(4))))
+
+
+@njit(**JIT)
+def _values2(flat, pw, tq, d, kg, vg, om):
+    """2-bit token-planar groups: byte row r holds tokens r + i * kg/4 in bit field i."""
+    wide_vectors()
+    nvg = d // vg
+    sub = kg // 4
+    for g in range(tq // kg):
+        t0 = g * kg
+        gb = t0 * (d // 4)
+        for r in range(sub):
+            ra = flat[gb + r * d:gb + (r + 1) * d]
+            ta = t0 + r
+            for j in range(nvg):
+                c0 = j * vg
+                w0 = pw[ta, j]
+                w1 = pw[ta + sub, j]
+                w2 = pw[ta + 2 * sub, j]
+                w3 = pw[ta + 3 * sub, j]
+                ra_j = ra[c0:c0 + vg]
+                oj = om[c0:c0 + vg]
+                for c in range(vg):
+                    b = np.uint32(ra_j[c])
+                    oj[c] += ((w0 * np.float32(np.int32(b & np.uint32(3)))
+                               + w1 * np.float32(np.int32((b >> np.uint32(2)) & np.uint32(3))))
+                              + (w2 * np.float32(np.int32((b >> np.uint32(4)) & np.uint32(3)))
+                                 + w3 * np.float32(np.int32(b >> np.uint32(6)))))
+
+
+@njit(**JIT)
+def _values1(flat, pw, tq, d, kg, vg, om):
+    """1-bit token-planar groups: byte row r holds tokens r + i * kg/8 in bit i."""
+    wide_vectors()
+    nvg = d // vg
+    sub = kg // 8
+    for g in range(tq // kg):
+        t0 = g * kg
+        gb = t0 * (d // 8)
+        for r in range(sub):
+            ra = flat[gb + r * d:gb + (r + 1) * d]
+            ta = t0 + r
+            for j in range(nvg):
+                c0 = j * vg
+                w0 = pw[ta, j]
+                w1 = pw[ta + sub, j]
+                w2 = pw[ta + 2 * sub, j]
+                w3 = pw[ta + 3 * sub, j]
+                w4 = pw[ta + 4 * sub, j]
+                w5 = pw[ta + 5 * sub, j]
+                w6 = pw[ta + 6 * sub, j]
+                w7 = pw[ta + 7 * sub, j]
+                ra_j = ra[c0:c0 + vg]
+                oj = om[c0:c0 + vg]
+                for c in range(vg):
+                    b = np.uint32(ra_j[c])
+                    oj[c] += ((((w0 * np.float32(np.int32(b & np.uint32(1)))
+                                 + w1 * np.float32(np.int32((b >> np.uint32(1)) & np.uint32(1))))
+                                + (w2 * np.float32(np.int32((b >> np.uint32(2)) & np.uint32(1)))
+                                   + w3 * np.float32(np.int32((b >> np.uint32(3)) & np.uint32(1)))))
+                               + ((w4 * np.float32(np.int32((b >> np.uint32(4)) & np.uint32(1)))
+                                   + w5 * np.float32(np.int32((b >> np.uint32(5)) & np.uint32(1))))
+                                  + (w6 * np.float32(np.int32((b >> np.uint32(6)) & np.uint32(1)))
+                                     + w7 * np.float32(np.int32(b >> np.uint32(7)))))))
+
+
+@njit(**JIT)
+def _value_head(p, off, codes, vmin, vstep, bits, kg, vg, tq, out, pw, base):
+    """One kv head: weights p[:, off:off + Tq] (p [M, >= off + Tq] f32), codes [>= Tq, D/per] u8 (the
+    first Tq rows are read), vmin/vstep [>= Tq, D/vg] (f32 or f16 bits); out [M, D] f32 (overwritten);
+    scratch pw [Tq, D/vg] and base [D/vg] f32."""
+    m_rows = p.shape[0]
+    d = out.shape[1]
+    nvg = d // vg
+    flat = codes.reshape(-1)
+    for m in range(m_rows):
+        om = out[m]
+        _value_weights(p[m, off:off + tq], vmin, vstep, tq, pw, base)
+        om[:] = 0.0
+        if bits == 4:
+            _values4(flat, pw, tq, d, kg, vg, om)
+        elif bits == 8:
+            _values8(flat, pw, tq, d, vg, om)
+        elif bits == 2:
+            _values2(flat, pw, tq, d, kg, vg, om)
+        else:
+            _values1(flat, pw, tq, d, kg, vg, om)
+        for j in range(nvg):
+            bj = base[j]
+            oj = om[j * vg:(j + 1) * vg]
+            for c in range(vg):
+                oj[c] += bj
+
+
+@njit(**JIT)
+def _value_heads(h0, h1, p, off, codes, vmin, vstep, bits, kg, vg, tq, out):
+    nvg = out.shape[2] // vg
+    pw = np.empty((tq, nvg), np.float32)
+    base = np.empty(nvg, np.float32)
+    for h in range(h0, h1):
+        _value_head(p[h], off, codes[h], vmin[h], vstep[h], bits, kg, vg, tq, out[h], pw, base)
+
+
+# ============================================================ whole attention, per head range
+@njit(**JIT_REASSOC)
+def _dot_rows(qm, k, n_rows, out, off):
+    """out[off + t] = sum_c qm[c] * k[t, c] for t < n_rows (k f32 or f16 bits): sinks and window."""
+    wide_vectors()
+    d = qm.shape[0]
+    for t in range(n_rows):
+        kt = k[t]
+        acc = np.float32(0.0)
+        for c in range(d):
+            acc += qm[c] * widen(kt[c])
+        out[off + t] = acc
+
+
+@njit(**JIT)
+def _axpy_rows(pm, off, v, n_rows, om):
+    """om[c] += sum_t p[off + t] * v[t, c] for t < n_rows (v f32 or f16 bits)."""
+    wide_vectors()
+    d = om.shape[0]
+    for t in range(n_rows):
+        w = pm[off + t]
+        vt = v[t]
+        for c in range(d):
+            om[c] += w * widen(vt[c])
+
+
+@njit(**JIT)
+def _scores_heads(h0, h1, q, sink_k, ns, kcodes, kmin, kstep, bits, kg, tq, res_k, nr, s):
+    """Scores of heads h0:h1 of every position: s[h, m, :] = [sinks | quantized | window] (q scaled)."""
+    qs = np.empty(q.shape[2], np.float32)
+    for h in range(h0, h1):
+        qh = q[h]
+        sh = s[h]
+        for m in range(qh.shape[0]):
+            if ns:
+                _dot_rows(qh[m], sink_k[h], ns, sh[m], 0)
+            if nr:
+                _dot_rows(qh[m], res_k[h], nr, sh[m], ns + tq)
+        if tq:
+            _key_head(qh, kcodes[h], kmin[h], kstep[h], bits, kg, tq, sh, ns, qs)
+
+
+@njit(**JIT)
+def _outputs_heads(h0, h1, p, ls, sink_v, ns, vcodes, vmin, vstep, bits, kg, vg, tq, res_v, nr, out):
+    """out[h] = (p[h] @ V[h]) / ls[h] for heads h0:h1, V = [sinks | quantized | window]."""
+    d = out.shape[2]
+    pw = np.empty((max(tq, 1), d // vg), np.float32)
+    base = np.empty(d // vg, np.float32)
+    for h in range(h0, h1):
+        oh = out[h]
+        if tq:
+            _value_head(p[h], ns, vcodes[h], vmin[h], vstep[h], bits, kg, vg, tq, oh, pw, base)
+        else:
+            oh[:, :] = 0.0
+        for m in range(oh.shape[0]):
+            om = oh[m]
+            pm = p[h, m]
+            if ns:
+                _axpy_rows(pm, 0, sink_v[h], ns, om)
+            if nr:
+                _axpy_rows(pm, ns + tq, res_v[h], nr, om)
+            lm = ls[h, m]
+            for c in range(d):
+                om[c] = om[c] / lm
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _scores_prange(q, sink_k, ns, kcodes, kmin, kstep, bits, kg, tq, res_k, nr, s):
+    for h in prange(q.shape[0]):
+        _scores_heads(h, h + 1, q, sink_k, ns, kcodes, kmin, kstep, bits, kg, tq, res_k, nr, s)
+
+
+@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
+def _outputs_prange(p, ls, sink_v, ns, vcodes, vmin, vstep, bits, kg, vg, tq, res_v, nr, out):
+    for h in prange(p.shape[0]):
+        _outputs_heads(h, h + 1, p, ls, sink_v, ns, vcodes, vmin, vstep, bits, kg, vg, tq, res_v, nr, out)
+
+
+# ================================================================================== threads
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="nnef_kv_kernels")
+        return pool
+
+
+def _over_heads(core, n: int, threads: int, *args: Any) -> None:
+    """core(h0, h1, *args) over contiguous ranges of the n heads, on ``threads`` threads."""
+    nth = max(1, min(int(threads), n))
+    if nth == 1:
+        core(0, n, *args)
+        return
+    bounds = np.linspace(0, n, nth + 1).astype(int)
+    futs = [_pool(nth).submit(core, int(bounds[i]), int(bounds[i + 1]), *args) for i in range(1, nth)]
+    core(int(bounds[0]), int(bounds[1]), *args)  # the calling thread takes the first range
+    for f in futs:
+        f.result()
+
+
+def _leading(a: np.ndarray) -> np.ndarray:
+    """A C-contiguous 3-D array ``B`` with ``a == B[:, :a.shape[1]]``: ``a`` itself, the array whose
+    leading rows ``a`` is (a ``GrowBuffer.view()``, or a range of its heads: no copy), or a contiguous
+    copy."""
+    if a.flags.c_contiguous:
+        return a
+    b = a.base
+    if (isinstance(b, np.ndarray) and b.ndim == 3 and b.flags.c_contiguous and b.dtype == a.dtype
+            and b.shape[2] == a.shape[2] and b.shape[1] >= a.shape[1] and a.strides == b.strides):
+        off = a.__array_interface__["data"][0] - b.__array_interface__["data"][0]
+        h0, rem = divmod(off, b.strides[0]) if b.strides[0] else (0, off)
+        if rem == 0 and 0 <= h0 and h0 + a.shape[0] <= b.shape[0]:
+            return b[h0:h0 + a.shape[0]]
+    return np.ascontiguousarray(a)
+
+
+def _params(a: np.ndarray, shape: tuple[int, int, int], name: str) -> np.ndarray:
+    """Group params for the cores: f16 as uint16 bits, else float32; leading rows of a C-contiguous array."""
+    a = np.asarray(a)
+    if a.shape != shape:
+        raise ValueError(f"{name} has shape {a.shape}, expected {shape}")
+    if a.dtype not in (np.float16, np.float32):
+        a = a.astype(np.float32)
+    return as_f32_or_u16(_leading(a))
+
+
+# ================================================================================ wrappers
+def _into(a: np.ndarray, n: int, m: int, t: int) -> tuple[np.ndarray, int] | None:
+    """(C-contiguous [n, m, T] array, offset) such that ``a`` is ``array[:, :, offset:offset + t]``, or
+    None (then the caller goes through a contiguous copy)."""
+    if a.dtype != np.float32 or a.shape != (n, m, t):
+        return None
+    if a.flags.c_contiguous:
+        return a, 0
+    b = a.base
+    while b is not None and not (isinstance(b, np.ndarray) and b.ndim == 3 and b.flags.c_contiguous):
+        b = getattr(b, "base", None)
+    if b is None or b.dtype != np.float32 or b.shape[:2] != (n, m) or a.strides != b.strides:
+        return None
+    off = (a.__array_interface__["data"][0] - b.__array_interface__["data"][0]) // 4
+    if not 0 <= off <= b.shape[2] - t:
+        return None
+    return b, int(off)
+
+
+def _check_key_args(q, k_codes, bits, key_group):
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    if q.ndim != 3:
+        raise ValueError(f"q must be [n, M, D], got shape {q.shape}")
+    n, _, d = q.shape
+    bits, kg = int(bits), int(key_group)
+    _check_codec(bits, d, kg)
+    codes = np.asarray(k_codes)
+    tq = codes.shape[1] if codes.ndim == 3 else -1
+    if codes.dtype != np.uint8 or codes.shape != (n, tq, d // (8 // bits)) or tq % kg:
+        raise ValueError(f"k_codes of shape {codes.shape} do not hold whole groups of {kg} tokens for "
+                         f"{n} heads of D={d} at {bits} bits")
+    return q, codes, bits, kg
+
+
+def _key_scores_into(q, codes, kmin, kstep, bits, kg, s, off, threads):
+    tq = codes.shape[1]
+    _over_heads(_key_heads, q.shape[0], threads, q, _leading(codes), kmin, kstep, bits, kg, tq, s, off)
+
+
+def key_scores(q: np.ndarray, k_codes: np.ndarray, k_min: np.ndarray, k_step: np.ndarray, bits: int,
+               key_group: int, out: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
+    """numba side of :func:`nnef_kv.kernels.kivi_attention.key_scores`."""
+    q, codes, bits, kg = _check_key_args(q, k_codes, bits, key_group)
+    n, m, _ = q.shape
+    tq = codes.shape[1]
+    kshape = (n, tq // kg, q.shape[2])
+    kmin, kstep = _params(k_min, kshape, "k_min"), _params(k_step, kshape, "k_step")
+    if out is None:
+        out = np.empty((n, m, tq), np.float32)
+    if tq == 0:
+        return out
+    target = _into(out, n, m, tq)
+    if target is None:
+        tmp = np.empty((n, m, tq), np.float32)
+        _key_scores_into(q, codes, kmin, kstep, bits, kg, tmp, 0, threads)
+        out[...] = tmp
+    else:
+        _key_scores_into(q, codes, kmin, kstep, bits, kg, target[0], target[1], threads)
+    return out
+
+
+def value_sum(p: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray, v_step: np.ndarray, bits: int,
+              key_group: int, value_group: int, threads: int = 1) -> np.ndarray:
+    """numba side of :func:`nnef_kv.kernels.kivi_attention.value_sum`."""
+    p = np.asarray(p, dtype=np.float32)
+    bits, kg = int(bits), int(key_group)
+    codes = np.asarray(v_codes)
+    n, m, tq = p.shape
+    if codes.dtype != np.uint8 or codes.ndim != 3:
+        raise ValueError(f"v_codes must be uint8 [n, Tq, D/per], got {codes.dtype} {codes.shape}")
+    d = codes.shape[2] * (8 // bits)
+    _check_codec(bits, d, kg)
+    vg = min(int(value_group), d)
+    if d % vg or codes.shape[:2] != (n, tq) or tq % kg:
+        raise ValueError(f"v_codes of shape {codes.shape} do not fit p {p.shape}, key_group {kg}, "
+                         f"value_group {value_group}")
+    vshape = (n, tq, d // vg)
+    vmin, vstep = _params(v_min, vshape, "v_min"), _params(v_step, vshape, "v_step")
+    out = np.empty((n, m, d), np.float32)
+    if tq == 0:
+        out[...] = 0.0
+        return out
+    src = _into(p, n, m, tq) or (np.ascontiguousarray(p), 0)
+    _over_heads(_value_heads, n, threads, src[0], src[1], _leading(codes), vmin, vstep, bits, kg, vg, tq, out)
+    return out
+
+
+def _full(a: np.ndarray, shape: tuple[int, int, int], name: str) -> np.ndarray:
+    """A full-precision cache part (sinks, window) for the cores: f16 as uint16 bits, else float32."""
+    a = np.asarray(a)
+    if a.shape != shape:
+        raise ValueError(f"{name} has shape {a.shape}, expected {shape}")
+    if a.dtype not in (np.float16, np.float32):
+        a = a.astype(np.float32)
+    return as_f32_or_u16(_leading(a))
+
+
+def _run(core, prange_core, n: int, threads: int, *args: Any) -> None:
+    if threads > 1 and PARALLEL == "prange":
+        import numba
+
+        saved = numba.get_num_threads()
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        try:
+            prange_core(*args)
+        finally:
+            numba.set_num_threads(saved)
+    else:
+        _over_heads(core, n, threads, *args)
+
+
+def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_codes: np.ndarray,
+                     k_min: np.ndarray, k_step: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray,
+                     v_step: np.ndarray, res_k: np.ndarray, res_v: np.ndarray, *, scale: float, bits: int,
+                     key_group: int, value_group: int, sq: int = 1, is_causal: bool = True,
+                     threads: int = 1) -> np.ndarray:
+    """numba side of :func:`nnef_kv.kernels.kivi_attention.decode_attention`.
+
+    Two numba calls per thread (scores of every position; then values and the division), the softmax
+    in between in NumPy, exactly the reference's steps (one max, the same non-finite-max rule, one
+    exp, one sum). ``threads > 1`` splits the kv heads into contiguous ranges: a thread pool (each
+    thread one nogil call a phase: nothing else holds the GIL meanwhile) or numba prange
+    (``PARALLEL``)."""
+    q, kcodes, bits, kg = _check_key_args(q, k_codes, bits, key_group)
+    n, m, d = q.shape
+    tq = kcodes.shape[1]
+    ns, nr = np.shape(sink_k)[1], np.shape(res_k)[1]
+    vg = min(int(value_group), d)
+    if d % vg:
+        raise ValueError(f"head_dim {d} is not a multiple of value_group {value_group}")
+    vcodes = np.asarray(v_codes)
+    if vcodes.dtype != np.uint8 or vcodes.shape != kcodes.shape:
+        raise ValueError(f"v_codes {vcodes.dtype} {vcodes.shape} do not match k_codes {kcodes.shape}")
+    kshape, vshape = (n, tq // kg, d), (n, tq, d // vg)
+    kmin, kstep = _params(k_min, kshape, "k_min"), _params(k_step, kshape, "k_step")
+    vmin, vstep = _params(v_min, vshape, "v_min"), _params(v_step, vshape, "v_step")
+    sk, sv = _full(sink_k, (n, ns, d), "sink_k"), _full(sink_v, (n, ns, d), "sink_v")
+    rk, rv = _full(res_k, (n, nr, d), "res_k"), _full(res_v, (n, nr, d), "res_v")
+    kcodes, vcodes = _leading(kcodes), _leading(vcodes)
+    nth = max(1, min(int(threads), n))
+    total = ns + tq + nr
+    qs = q * np.float32(scale)
+    s = np.empty((n, m, total), np.float32)
+    _run(_scores_heads, _scores_prange, n, nth, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
+    # ---- the softmax, as KiviSdpa._attend_two_pass does it
+    if is_causal and sq > 1:  # a single query is the last position: it sees everything
+        qpos = (total - sq) + (np.arange(m) % sq)
+        s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
+    mx = s.max(axis=-1, keepdims=True)
+    if not mx.min() > -np.inf:  # rows with every position masked
+        mx = np.where(np.isfinite(mx), mx, np.float32(0))
+    p = np.exp(np.subtract(s, mx, out=s), out=s)
+    ls = p.sum(axis=-1)
+    out = np.empty((n, m, d), np.float32)
+    _run(_outputs_heads, _outputs_prange, n, nth, p, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
+    return out
+
+
+def attend(sdpa: Any, q: np.ndarray, sq: int = 1, threads: int | None = None) -> np.ndarray:
+    """numba side of :func:`nnef_kv.kernels.kivi_attention.attend`."""
+    q = np.asarray(q, dtype=np.float32)
+    if unsupported_reason(sdpa, q.shape[1]) is not None:
+        return _attend_kernel.reference(sdpa, q, sq, threads)
+    nth = sdpa.threads if threads is None else int(threads)
+    return decode_attention(q, **cache_arrays(sdpa), sq=sq, threads=nth)
