@@ -111,7 +111,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .io.archive import load
     from .summary import summarize
 
-    model = load(_existing_path(args.archive))
+    from .converters.attention import exporter_problems
+    from .converters.graph_edit import GraphEdit
+
+    src = _existing_path(args.archive)
+    model = load(src)
+    if model.document.graph is not None:
+        problems = exporter_problems(GraphEdit(model.document, model.tensors, str(src)))
+        if problems:
+            raise CliError(problems[0])
     print(summarize(model).to_text())
     return EXIT_OK
 
@@ -176,6 +184,27 @@ def _npz_feeds(npz: dict[str, Any], inputs: list[str], outputs: list[str], where
     return common, per, exp_common, exp_per, last
 
 
+def _float_casts(feed: dict[str, Any], session: Any, casted: set[str], allowed: bool, where: Path) -> dict[str, Any]:
+    """Float inputs cast to the float type the graph declares when ``allowed`` (tract's
+    --allow-float-casts), each cast named once on stderr; else a float of another width is refused."""
+    out = dict(feed)
+    for spec in session.plan.inputs:
+        x = out.get(spec.name)
+        if x is None:
+            continue
+        a = np.asarray(x)
+        want = np.dtype(spec.dtype)
+        if a.dtype.kind == "f" and want.kind == "f" and a.dtype != want:
+            if not allowed:
+                raise CliError(f"{where}: input '{spec.name}' is {a.dtype}, the graph declares {want} "
+                               f"(--allow-float-casts casts float inputs, as tract's flag does)")
+            out[spec.name] = a.astype(want)
+            if spec.name not in casted:
+                casted.add(spec.name)
+                print(f"note: --allow-float-casts: input '{spec.name}' {a.dtype} cast to {want}", file=sys.stderr)
+    return out
+
+
 def cmd_run(args: argparse.Namespace) -> int:
     import numpy as np
 
@@ -207,6 +236,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         feedback, empty = {}, {}
     results: list[dict[str, Any]] = []
     prev: dict[str, Any] = {}
+    casted: set[str] = set()
     with progress_bar(f"running {src.name}", total=steps) as advance:
         for k in range(steps):
             feed = dict(common)
@@ -219,6 +249,7 @@ def cmd_run(args: argparse.Namespace) -> int:
                 else:
                     raise CliError(f"{npz_path}: no value for input '{name}' at step {k} (keys '{name}' or "
                                    f"'{name}@{k}')")
+            feed = _float_casts(feed, session, casted, args.allow_float_casts, npz_path)
             res = session.run(feed)
             results.append(res)
             prev = res
@@ -487,6 +518,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--inputs", required=True, help=".npz of inputs (NAME or NAME@STEP keys)")
     sp.add_argument("-o", "--output", help="write outputs to this .npz")
     sp.add_argument("--steps", type=int, help="number of runs (default: 1 + the largest @STEP)")
+    sp.add_argument("--allow-float-casts", action="store_true",
+                    help="cast float inputs to the float type the graph declares (e.g. f32 test io for an f16 archive)")
 
     sp = sub.add_parser("generate", help="greedy decoding of an LLM archive (text or ids in, text or ids streamed out)",
                         description="Greedy decoding. The prompt is --prompt TEXT (tokenized with --tokenizer or the "

@@ -456,3 +456,21 @@ def test_subprocess_error_is_one_line(tmp_path) -> None:
     p = subprocess.run([sys.executable, "-m", "nnef_kv", "convert", str(tmp_path / "missing.tgz"), "-o", str(out),
                         "--bits", "99"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert p.returncode == 2 and "bits" in p.stderr and not out.exists()
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_run_f16_archive_on_its_f32_test_io(flag, capsys) -> None:
+    from conftest import SHARED
+
+    d = SHARED / "fixtures" / "exports" / "llama_f16"
+    if not d.is_dir():
+        pytest.skip(f"{d} not found")
+    io = d / "t2n_tests" / "prompt_inputs.npz"
+    argv = ["run", str(d / "model.nnef.tgz"), "--inputs", str(io)] + (["--allow-float-casts"] if flag else [])
+    if not flag:
+        assert main(argv) == 2
+        assert "is float32, the graph declares float16 (--allow-float-casts casts float inputs" in _err_line(capsys)
+        return
+    assert main(argv) == 0
+    cap = capsys.readouterr()
+    assert cap.err.count("note: --allow-float-casts") == 4 and "step 0 outputs: float16 [1, 1, 256]" in cap.out

@@ -76,12 +76,12 @@ def test_bad_options_refused_before_any_work(opts, name, tmp_path):
 
 def test_no_attention_refused():
     text = HEAD + "graph g(x) -> (y) { x = external(shape = [1, 4]); y = relu(x); }"
-    with pytest.raises(ConversionError, match="no attention found: looked for plain attention"):
+    with pytest.raises(ConversionError, match=r"no attention found: looked for attention: q \. K\^T"):
         convert(Model.from_text(text))
 
 
 def test_attention_without_cache_refused():
-    with pytest.raises(ConversionError, match="attention found .* but no KV cache"):
+    with pytest.raises(ConversionError, match="stopped at node 'x' .*: expected a KV cache: concat"):
         convert(Model.from_text(attention_graph(cache=False)))
 
 
@@ -155,7 +155,7 @@ def test_reassigned_names_are_normalized():
 def test_report_text_lists_passes():
     _, report = convert(Model.from_text(attention_graph()), scheme="tract")
     text = report.to_text()
-    assert "scheme tract" in text and "explicit-cache:" in text and "inputs removed: pk, pv" in text
+    assert "scheme tract" in text and "attention:" in text and "inputs removed: pk, pv" in text
     assert "bits=4 ignored" in text
 
 
@@ -214,3 +214,118 @@ def test_already_converted_graph_refused(scheme):
     model, _ = convert(Model.from_text(attention_graph()), scheme=scheme, bits=8)
     with pytest.raises(ConversionError, match="already holds a quantized KV cache"):
         convert(model, scheme="kivi")
+
+
+# -- attention recognised by what it computes -------------------------------------------------------
+def _kivi_vs_source(text: str, **kw) -> tuple[list[np.ndarray], list[np.ndarray], object]:
+    src = Model.from_text(text)
+    conv, report = convert(src, scheme="kivi", bits=8, key_group=1, value_group=4, residual=64, **kw)
+    want = _run_explicit(src, _steps())
+    s = conv.session()
+    got = [s.run({"x": x})["y"] for x in _steps()]
+    return got, want, report
+
+
+def test_einsum_attention_with_casts_converts():
+    """q.K^T and p.V as tract_core_einsum (both K layouts), through f32 casts, as torch-to-nnef writes f16
+    attention accumulated in f32; the residual window holds every token, so the op is exact."""
+    for qk in ("kt = transpose(ok, axes = [0, 1, 3, 2]);\n  xa = tract_core_cast(x, to = 'f32');\n  "
+               "kb = tract_core_cast(kt, to = 'f32');\n  "
+               "s = tract_core_einsum([xa, kb], expr = 'bcij,bcjk->bcik', acc = 'f32', output = 'f32');",
+               "s = tract_core_einsum([x, ok], expr = 'bcij,bckj->bcik', acc = 'f32');"):
+        text = attention_graph(qk=qk).replace("y = matmul(p, ov);",
+                                              "y = tract_core_einsum([p, ov], expr = 'bcij,bcjk->bcik', acc = 'f32');")
+        got, want, report = _kivi_vs_source(text)
+        assert report.attentions[0].startswith("einsum attention")
+        for a, b in zip(got, want):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_softcapped_scores_convert_to_kivi_softcap():
+    text = attention_graph(scale="s1 = mul(s, 0.5);\n  s2 = div(s1, 3.0);\n  s3 = tanh(s2);\n  ss = mul(s3, 3.0);")
+    got, want, report = _kivi_vs_source(text)
+    assert "softcap 3" in report.attentions[0]
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ConversionError, match=r"softcapped \(tanh, cap 3\) and tract_transformers_quantized_kv_sdpa "
+                                              r"has no softcap: use --scheme kivi"):
+        convert(Model.from_text(text), scheme="tract")
+    tc, _ = convert(Model.from_text(text), scheme="tract-cache", bits=8)  # the caches only: any attention
+    assert [n for n in nnef_kv.dump(tc.document).split("\n") if "tanh(" in n]
+
+
+def test_unrecognisable_attention_names_the_node_and_the_form(tmp_path, capsys):
+    text = attention_graph(scale="ss = exp(s);")
+    with pytest.raises(ConversionError, match=r"recognition of the attention around 'p' stopped at node 'ss' \(exp\): "
+                                              r"expected a cast, a constant scale \(mul/div by a scalar\), tanh "
+                                              r"softcapping or an additive mask"):
+        convert(Model.from_text(text))
+    text = attention_graph(scale="t = mul(s, x);\n  ss = add(t, 1.0);")
+    with pytest.raises(ConversionError, match=r"stopped at node 't' \(mul\): expected .*a mul by a tensor that is not a "
+                                              r"scalar constant"):
+        convert(Model.from_text(text))
+    from nnef_kv.cli import main
+
+    path = tmp_path / "odd.nnef.tar"
+    nnef_kv.save(Model.from_text(attention_graph(scale="ss = exp(s);")), path)
+    assert main(["convert", str(path), "-o", str(tmp_path / "out.nnef.tar")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err and "stopped at node 'ss' (exp)" in err and not (tmp_path / "out.nnef.tar").exists()
+
+
+def test_a_bias_on_the_scores_is_refused_by_fused_schemes_only():
+    text = attention_graph(scale="ss = add(s, 0.5);")
+    with pytest.raises(ConversionError, match=r"attention 'y': its scores go through 'ss' \(adds the constant 0.5\)"):
+        convert(Model.from_text(text), scheme="kivi")
+    convert(Model.from_text(text), scheme="tract-cache", bits=8)
+
+
+def test_attention_inside_a_document_fragment_is_inlined():
+    frag = """
+fragment my_attention(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, c: tensor<scalar>)
+-> (out: tensor<scalar>)
+{
+  s = tract_core_einsum(inputs = [q, k], expr = "bcij,bckj->bcik", acc = "f32");
+  p = softmax(mul(s, c) + 0.0 * c, axes = [3]);
+  out = tract_core_einsum(inputs = [p, v], expr = "bcij,bcjk->bcik", acc = "f32");
+}
+"""
+    text = attention_graph(qk="y = my_attention(x, ok, ov, 0.5);", scale="")
+    body = text.split("  p = softmax(ss, axes = [3]);\n  y = matmul(p, ov);\n")
+    text = body[0].replace("extension tract_symbol P;\n", "extension tract_symbol P;\n" + frag) + body[1]
+    src = Model.from_text(text)
+    conv, report = convert(src, scheme="kivi", bits=8, key_group=1, value_group=4, residual=64)
+    assert any("inlined" in n for p in report.passes for n in p.notes)
+    want = _run_explicit(src, _steps())
+    s = conv.session()
+    for x, w in zip(_steps(), want):
+        np.testing.assert_allclose(s.run({"x": x})["y"], w, rtol=1e-5, atol=1e-6)
+
+
+def test_sdpa_over_explicit_caches_converts():
+    """--reify-sdpa-operator's form: tract_transformers_sdpa reading concat([cache input, new]) whose shape
+    the graph reads afterwards (the attention output's reshape)."""
+    text = HEAD + """graph g(x, pk, pv) -> (y, ok, ov)
+{
+  x = tract_core_external(shape = [1, 2, S, 4], datum_type = 'f32');
+  pk = tract_core_external(shape = [1, 2, P, 4], datum_type = 'f32');
+  pv = tract_core_external(shape = [1, 2, P, 4], datum_type = 'f32');
+  k = mul(x, 0.5);
+  v = add(x, 1.0);
+  ok = concat([pk, k], axis = 2);
+  ov = concat([pv, v], axis = 2);
+  a = tract_transformers_sdpa(x, ok, ov, is_causal = true, scale = 0.5);
+  ov_shape = tract_core_shape_of(ov);
+  ov_d3 = squeeze(slice(ov_shape, axes = [0], begin = [3], end = [4], stride = [1]), axes = [0]);
+  y = reshape(a, shape = [1, 2, -1, ov_d3]);
+}
+"""
+    src = Model.from_text(text)
+    for scheme in ("kivi", "tract", "tract-cache"):
+        conv, report = convert(src, scheme=scheme, bits=8, key_group=1, value_group=4, residual=64)
+        assert conv.session().input_names == ["x"], scheme
+        assert report.attentions[0].startswith("sdpa attention")
+    got = [s for s in [convert(src, scheme="kivi", bits=8, key_group=1, value_group=4, residual=64)[0].session()]]
+    want = _run_explicit(src, _steps())
+    for x, w in zip(_steps(), want):
+        np.testing.assert_allclose(got[0].run({"x": x})["y"], w, rtol=1e-5, atol=1e-6)

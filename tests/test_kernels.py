@@ -272,7 +272,7 @@ def test_attend_matches_kivi_two_pass(mode, bits, kg, d, vg_div, hkv, group, t, 
         q[rng.integers(0, n), rng.integers(0, group * sq), rng.integers(0, d)] = q_special
     assert ka.unsupported_reason(sd, q.shape[1]) is None
     with np.errstate(invalid="ignore", over="ignore"):
-        ref = sd._attend_two_pass(q, sq, 0, n, 0)
+        ref = sd._attend_two_pass(q, sq, 0, n, 0, sd._current_view())
         got = ka.attend(sd, q, sq)
         alt = ka.decode_attention(q, **ka.cache_arrays(sd), sq=sq)
     assert got.shape == ref.shape == (n, group * sq, d) and got.dtype == np.float32

@@ -345,3 +345,16 @@ def test_export_with_its_own_tokenizer_through_the_api(tmp_path) -> None:
         assert s["quantized_tokens"] == 192 and s["tokens_reading_quantized"] == 31
         kl.append(s["kl_mean"])
     assert kl[0] < kl[1] < kl[2] and kl[0] < 1e-4
+
+
+def test_bytes_used_beside_bytes_held_at_short_lengths(text_ref, source) -> None:
+    """tract's quantized dyn cache grows its codes by 256 tokens: below that it holds more than f32; the
+    bytes it has written are reported beside."""
+    from nnef_kv.converters import convert
+
+    m = convert(text_ref, scheme="tract-cache", bits=4)[0]
+    rep = validate_model(m, text_ref, source, ValidateOptions(contexts=[40], eval_tokens=8, parity=False))
+    s = rep.contexts[0].summary()
+    assert s["kv_bytes"] > s["kv_bytes_f32"] > s["kv_bytes_used"] > 0
+    for c in rep.contexts[0].archive.census:
+        assert c["bytes_used"] <= c["bytes"]

@@ -1,20 +1,27 @@
-"""Find attention blocks and the KV caches feeding them.
+"""Find attention blocks by what they compute, and the KV caches feeding them.
 
-Two shapes of attention are recognised:
+An attention is recognised as
 
-* **plain**: ``matmul(q, K^T) -> [mul|div by a constant] -> [add mask] -> softmax(last axis) ->
-  [cast] -> matmul(., V)``, with ``K^T`` a ``transpose(K, [0, 1, 3, 2])`` (or ``transposeB = true``),
-  as torch-to-nnef's eager export and nnef-tools' ONNX conversion write it;
-* **fused**: ``tract_transformers_sdpa(q, K, V, mask?, scale?, ...)``.
+* **decomposed**: ``scores = q . K^T`` (a ``matmul``, ``transposeB`` or of ``transpose(K, [0, 1, 3, 2])``, or a
+  ``tract_core_einsum`` ``bcij,bcjk->bcik`` of ``K^T`` / ``bcij,bckj->bcik`` of ``K``, through casts), then any
+  chain of **score transforms** - casts, constant scales (``mul`` / ``div`` by a scalar constant, a
+  literal or a one-element variable), tanh softcapping (``div(c) -> tanh -> mul(c)``, Gemma 2), an
+  additive mask (``add`` of a non-constant tensor: causal, padding or sliding-window masks as exported) -
+  then ``softmax`` over the last axis, then ``p . V`` (``matmul`` or ``einsum bcij,bcjk->bcik``, through
+  casts);
+* **fused**: ``tract_transformers_sdpa(q, K, V, mask?, scale?, is_causal?)``.
 
-``K``/``V`` are then followed back through the grouped-query repeat that exports add
-(``unsqueeze(axes = [2]) -> tile/broadcast -> reshape``: kv head ``h`` serves query heads
-``h*G .. h*G+G-1``, the mapping the fused ops use) to their cache:
+``K`` / ``V`` are followed back through casts and the grouped-query repeat exporters add
+(``unsqueeze(axes = [2]) -> tile/broadcast -> reshape``: kv head ``h`` serves query heads ``h*G .. h*G+G-1``,
+the mapping the fused ops use) to their cache (:func:`cache_source`):
 
 * ``explicit``: ``concat([past, new], axis = 2)`` where ``past`` is a graph input (``in_cache_*``,
-  ``past_key_values.*``); the concatenation is usually also a graph output (``out_cache_*``,
-  ``present.*``);
+  ``past_key_values.*``); the concatenation is usually also a graph output (``out_cache_*``, ``present.*``);
 * ``dyn``: ``tract_transformers_dyn_kv_cache(new, ...)`` (tract holds the cache in its state).
+
+Where recognition stops, :class:`Miss` records the node and what was expected there; the converter's
+error quotes it. :func:`find_caches` finds the caches without any attention (scheme ``tract-cache``), and
+:func:`exporter_problems` the exports that cannot run at all.
 """
 from __future__ import annotations
 
@@ -24,8 +31,12 @@ from ..errors import ConversionError
 from ..grammar import ast as A
 from .graph_edit import GraphEdit, Node, int_list, static_value
 
-PASSTHROUGH = ("tract_core_cast", "copy")
+PASSTHROUGH = ("tract_core_cast", "cast", "copy")
 REPEAT_OPS = ("unsqueeze", "tile", "tract_core_broadcast", "reshape")
+SOFTMAX_OPS = ("softmax",)
+DYN_CACHE_OP = "tract_transformers_dyn_kv_cache"
+#: what a score transform may be, for messages
+SCORE_TRANSFORMS = "a cast, a constant scale (mul/div by a scalar), tanh softcapping or an additive mask"
 
 
 @dataclass
@@ -38,13 +49,14 @@ class CacheSource:
     past: str | None = None  # explicit: the graph input holding the past
     node: Node | None = None  # the concat / dyn cache node
     repeat: list[str] = field(default_factory=list)  # names of the GQA repeat chain (full -> attention)
+    role: str = ""  # "key" or "value" when known
 
 
 @dataclass
 class AttentionBlock:
     """One attention found in the graph."""
 
-    kind: str  # "plain" or "sdpa"
+    kind: str  # "plain" (matmul scores), "einsum" or "sdpa"
     q: str
     key: CacheSource
     value: CacheSource
@@ -53,116 +65,250 @@ class AttentionBlock:
     mask: str | None  # the additive mask or sdpa mask input dropped by the conversion
     is_causal: bool = False  # sdpa's own is_causal flag
     nodes: list[str] = field(default_factory=list)  # the attention's own nodes (q.k to output)
+    softcap: float | None = None  # tanh softcapping of the scores (Gemma 2), None: none
+    unsupported: list[str] = field(default_factory=list)  # score transforms no fused op expresses
 
     def describe(self) -> str:
+        extra = f", softcap {self.softcap:g}" if self.softcap else ""
         return (f"{self.kind} attention -> '{self.output}' (q '{self.q}', K {self.key.kind} '{self.key.full}', "
-                f"V {self.value.kind} '{self.value.full}', scale {self.scale}, mask {self.mask!r})")
+                f"V {self.value.kind} '{self.value.full}', scale {self.scale}{extra}, mask {self.mask!r})")
+
+
+@dataclass
+class Miss:
+    """An attention the recognizer could not follow: where it stopped and what it expected there."""
+
+    node: str
+    op: str | None
+    expected: str
+    around: str  # the attention being followed (its softmax or sdpa node)
+
+    def message(self) -> str:
+        return (f"recognition of the attention around '{self.around}' stopped at node '{self.node}'"
+                f"{f' ({self.op})' if self.op else ''}: expected {self.expected}")
+
+
+class _Stop(Exception):
+    def __init__(self, node: str, op: str | None, expected: str) -> None:
+        super().__init__(node)
+        self.node, self.op, self.expected = node, op, expected
 
 
 # ----------------------------------------------------------------------------------------------
-def _single_axis(n: Node, param: str) -> int | None:
-    v = n.arg(param)
-    axes = int_list(v) if v is not None else None
-    if axes is None:
-        return None
-    return axes[0] if len(axes) == 1 else None
+def _first_input(n: Node) -> str | None:
+    return n.arg_name("input") or n.arg_name("x")
 
 
-def _scores_chain(g: GraphEdit, name: str) -> tuple[Node, float, str | None, list[str]] | None:
-    """From a softmax input back to the q.k matmul: (matmul node, scale factor, mask, chain names)."""
-    scale = 1.0
-    mask: str | None = None
-    chain: list[str] = []
+def _through_casts(g: GraphEdit, name: str | None) -> str | None:
     cur = name
     for _ in range(16):
         n = g.node(cur)
-        if n is None or n.inv is None:
-            return None
-        chain.append(cur)
-        op = n.op
-        if op == "matmul":
-            return n, scale, mask, chain
-        if op in PASSTHROUGH:
-            cur = n.arg_name("input") or n.arg_name("x") or ""
-            continue
-        if op in ("mul", "div"):
-            x, y = n.arg("x"), n.arg("y")
-            cy, cx = g.scalar_const(y), g.scalar_const(x) if op == "mul" else None
-            if cy is not None and isinstance(x, A.Identifier):
-                scale = scale * cy if op == "mul" else (scale / cy if cy else scale)
-                cur = x.name
-                continue
-            if cx is not None and isinstance(y, A.Identifier):
-                scale *= cx
-                cur = y.name
-                continue
-            return None
-        if op == "add" and mask is None:
-            x, y = n.arg_name("x"), n.arg_name("y")
-            for s, m in ((x, y), (y, x)):
-                if s is not None and m is not None and _reaches_matmul(g, s):
-                    mask, cur = m, s
-                    break
-            else:
-                return None
-            continue
+        if n is None or n.op not in PASSTHROUGH:
+            return cur
+        cur = _first_input(n)
+    return cur
+
+
+def _single_axis(n: Node, param: str) -> int | None:
+    v = n.arg(param)
+    if v is None:
         return None
+    sv = static_value(v)
+    if isinstance(sv, int) and not isinstance(sv, bool):
+        return sv
+    axes = int_list(v)
+    return axes[0] if axes is not None and len(axes) == 1 else None
+
+
+def _einsum_operands(n: Node) -> tuple[str, str, str] | None:
+    """``(a, b, layout of b)`` of a two-operand einsum computing a batched ``[.., i, j] x [.., j, k]``
+    product: layout ``"jk"`` (b is ``[.., j, k]``) or ``"kj"`` (b is ``[.., k, j]``)."""
+    inputs = n.arg("inputs")
+    expr = n.arg("expr")
+    if not isinstance(inputs, A.ArrayExpr) or len(inputs.items) != 2 or not isinstance(expr, A.StringLiteral):
+        return None
+    a, b = inputs.items
+    if not (isinstance(a, A.Identifier) and isinstance(b, A.Identifier)):
+        return None
+    text = expr.value.replace(" ", "")
+    try:
+        lhs, out = text.split("->")
+        x, y = lhs.split(",")
+    except ValueError:
+        return None
+    if len(x) != 4 or len(y) != 4 or len(out) != 4 or x[:2] != y[:2] or x[:2] != out[:2]:
+        return None
+    i, j = x[2], x[3]
+    if out[2] != i:
+        return None
+    if y[2] == j and out[3] == y[3] != j:
+        return a.name, b.name, "jk"
+    if y[3] == j and out[3] == y[2] != j:
+        return a.name, b.name, "kj"
     return None
 
 
-def _reaches_matmul(g: GraphEdit, name: str) -> bool:
-    cur = name
-    for _ in range(8):
-        n = g.node(cur)
-        if n is None:
-            return False
-        if n.op == "matmul":
-            return True
-        if n.op in PASSTHROUGH + ("mul", "div"):
-            nxt = n.arg_name("input") or n.arg_name("x")
-            if nxt is None:
-                return False
-            cur = nxt
-            continue
-        return False
-    return False
-
-
-def _key_operand(g: GraphEdit, mm: Node) -> tuple[str, float] | None:
-    """The K (layout [B, H, T, D]) a q.k matmul reads, and any constant factor applied to K^T."""
-    b = mm.arg("B")
-    tb = static_value(mm.arg("transposeB")) if mm.arg("transposeB") is not None else False
-    if not isinstance(b, A.Identifier):
-        return None
-    factor = 1.0
-    cur = b.name
-    for _ in range(8):
-        n = g.node(cur)
-        if n is None:
+def _product(n: Node) -> tuple[str, str, bool] | None:
+    """``(A, B, B given transposed)`` of a batched matrix product node (matmul or einsum), else None."""
+    if n.op == "matmul":
+        a, b = n.arg_name("A"), n.arg_name("B")
+        ta = n.arg("transposeA")
+        if a is None or b is None or (ta is not None and static_value(ta)):
             return None
-        if n.op in ("mul", "div") and g.scalar_const(n.arg("y")) is not None and n.arg_name("x"):
-            c = g.scalar_const(n.arg("y"))
-            factor = factor * c if n.op == "mul" else factor / c
-            cur = n.arg_name("x") or ""
+        tb = n.arg("transposeB")
+        return a, b, bool(static_value(tb)) if tb is not None else False
+    if n.op == "tract_core_einsum":
+        got = _einsum_operands(n)
+        if got is None:
+            return None
+        return got[0], got[1], got[2] == "kj"
+    return None
+
+
+def _key_of_scores(g: GraphEdit, n: Node) -> tuple[str, str, float] | None:
+    """For a scores product ``q . K^T``: ``(q, K, constant factor on K^T)``, else None."""
+    prod = _product(n)
+    if prod is None:
+        return None
+    a, b, transposed = prod
+    factor = 1.0
+    cur = b
+    for _ in range(16):
+        m = g.node(cur)
+        if m is None:
+            return None
+        if m.op in PASSTHROUGH:
+            cur = _first_input(m) or ""
+            continue
+        if m.op in ("mul", "div") and g.scalar_const(m.arg("y")) is not None and m.arg_name("x"):
+            c = g.scalar_const(m.arg("y"))
+            factor = factor * c if m.op == "mul" else factor / c
+            cur = m.arg_name("x") or ""
             continue
         break
-    if tb:
-        return cur, factor
-    n = g.node(cur)
-    if n is not None and n.op == "transpose" and int_list(n.arg("axes")) == [0, 1, 3, 2] and n.arg_name("input"):
-        return n.arg_name("input") or "", factor
+    q = _through_casts(g, a)
+    if transposed:
+        return (q, cur, factor) if q else None
+    m = g.node(cur)
+    if m is not None and m.op == "transpose" and int_list(m.arg("axes")) == [0, 1, 3, 2] and m.arg_name("input"):
+        return (q, m.arg_name("input") or "", factor) if q else None
     return None
+
+
+def _const_operand(g: GraphEdit, n: Node) -> tuple[float, str] | None:
+    """``(constant, other operand)`` of a binary node with one scalar-constant operand."""
+    x, y = n.arg("x"), n.arg("y")
+    cy = g.scalar_const(y)
+    if cy is not None and isinstance(x, A.Identifier):
+        return cy, x.name
+    cx = g.scalar_const(x)
+    if cx is not None and isinstance(y, A.Identifier) and n.op in ("mul", "add"):
+        return cx, y.name
+    return None
+
+
+def _to_scores(g: GraphEdit, start: str, depth: int = 0) -> tuple[Node, list[tuple]]:
+    """From a softmax input back to the scores product: the product node and the transforms met on the
+    way, in the order they are applied (product first). Raises :class:`_Stop` where it cannot go on."""
+    ops: list[tuple] = []
+    cur = start
+    for _ in range(64):
+        n = g.node(cur)
+        if n is None or n.inv is None:
+            raise _Stop(cur, None, f"a computed scores tensor (q . K^T and then {SCORE_TRANSFORMS})")
+        if _product(n) is not None:
+            if _key_of_scores(g, n) is None:
+                raise _Stop(n.name, n.op, "q . K^T with K^T a transpose(K, [0, 1, 3, 2]), transposeB = true, or an "
+                                          "einsum bcij,bcjk->bcik / bcij,bckj->bcik")
+            return n, list(reversed(ops))
+        op = n.op
+        if op in PASSTHROUGH:
+            cur = _first_input(n) or ""
+            continue
+        if op in ("mul", "div"):
+            got = _const_operand(g, n)
+            if got is None:
+                raise _Stop(n.name, op, f"{SCORE_TRANSFORMS} (a {op} by a tensor that is not a scalar constant)")
+            ops.append((op, got[0], n.name))
+            cur = got[1]
+            continue
+        if op == "tanh":
+            ops.append(("tanh", None, n.name))
+            cur = n.arg_name("x") or ""
+            continue
+        if op in ("add", "sub"):
+            got = _const_operand(g, n)
+            if got is not None:
+                ops.append(("bias", got[0] if op == "add" else -got[0], n.name))
+                cur = got[1]
+                continue
+            if op == "add" and depth < 2:
+                x, y = n.arg_name("x"), n.arg_name("y")
+                for s, m in ((x, y), (y, x)):
+                    if s is None or m is None:
+                        continue
+                    try:
+                        _to_scores(g, s, depth + 1)
+                    except _Stop:
+                        continue
+                    ops.append(("mask", m, n.name))
+                    cur = s
+                    break
+                else:
+                    raise _Stop(n.name, op, f"{SCORE_TRANSFORMS}: neither operand of the add leads to q . K^T")
+                continue
+        raise _Stop(n.name, op, SCORE_TRANSFORMS)
+    raise _Stop(cur, None, "the scores within 64 transforms")
+
+
+def _interpret(ops: list[tuple]) -> tuple[float, float | None, str | None, list[str]]:
+    """Score transforms -> ``(scale, softcap, mask, unsupported)``. Recognised: constant scales first,
+    then at most one ``div(c)/mul(1/c) -> tanh -> mul(c)`` softcap, then at most one additive mask (casts
+    anywhere); anything else is listed as unsupported (only the attention-free scheme converts it)."""
+    scale = 1.0
+    softcap = None
+    mask = None
+    bad: list[str] = []
+    tanh_at = [i for i, o in enumerate(ops) if o[0] == "tanh"]
+    end_scale = tanh_at[0] - 1 if tanh_at else len(ops)
+    i = 0
+    while i < len(ops):
+        kind, val, node = ops[i]
+        if kind in ("mul", "div") and i < end_scale and mask is None and softcap is None:
+            scale = scale * val if kind == "mul" else scale / val
+        elif kind == "tanh" and softcap is None and mask is None and i >= 1 and i + 1 < len(ops) \
+                and ops[i - 1][0] in ("div", "mul") and ops[i + 1][0] == "mul":
+            pre = ops[i - 1][1] if ops[i - 1][0] == "div" else (1.0 / ops[i - 1][1] if ops[i - 1][1] else 0.0)
+            post = ops[i + 1][1]
+            if pre and abs(pre - post) <= 1e-6 * abs(post):
+                softcap = float(post)
+                i += 2
+                continue
+            bad.append(f"'{node}' (tanh between {ops[i - 1][0]} {ops[i - 1][1]:g} and mul {post:g}: not a softcap)")
+        elif kind == "mask" and mask is None:
+            mask = val
+        elif kind == "bias" and val == 0:
+            pass  # x + 0
+        elif kind in ("div", "mul") and i == end_scale and tanh_at:
+            pass  # the softcap's divisor: read with the tanh
+        else:
+            what = {"bias": f"adds the constant {val:g}", "mask": "adds a second mask", "tanh": "a tanh",
+                    "mul": f"multiplies by {val:g} after the mask or the softcap",
+                    "div": f"divides by {val:g} after the mask or the softcap"}.get(kind, kind)
+            bad.append(f"'{node}' ({what})")
+        i += 1
+    return scale, softcap, mask, bad
 
 
 def _repeat_chain(g: GraphEdit, name: str, where: str) -> tuple[str, list[str]]:
-    """Follow K/V back through the GQA repeat; returns (source name, chain names)."""
+    """Follow K/V back through casts and the GQA repeat; returns (source name, chain names)."""
     chain: list[str] = []
     cur = name
     while True:
         n = g.node(cur)
         if n is None or n.op not in REPEAT_OPS + PASSTHROUGH:
             break
-        nxt = n.arg_name("input") or n.arg_name("x")
+        nxt = _first_input(n)
         if nxt is None:
             break
         chain.append(cur)
@@ -180,8 +326,7 @@ def _repeat_chain(g: GraphEdit, name: str, where: str) -> tuple[str, list[str]]:
     return cur, chain
 
 
-def _cache_source(g: GraphEdit, name: str, where: str, what: str) -> CacheSource | None:
-    src, chain = _repeat_chain(g, name, where)
+def _cache_at(g: GraphEdit, src: str, where: str, what: str, chain: list[str] | None = None) -> CacheSource | None:
     n = g.node(src)
     if n is None:
         return None
@@ -199,91 +344,196 @@ def _cache_source(g: GraphEdit, name: str, where: str, what: str) -> CacheSource
             raise ConversionError(
                 f"{where}: {what} cache '{src}' concatenates on axis {axis}; only the [B, H, T, D] layout "
                 "(sequence axis 2) is supported")
-        return CacheSource("explicit", src, new.name, past=past.name, node=n, repeat=chain)
-    if n.op == "tract_transformers_dyn_kv_cache":
+        return CacheSource("explicit", src, new.name, past=past.name, node=n, repeat=list(chain or []), role=what)
+    if n.op == DYN_CACHE_OP:
         new = n.arg_name("input")
         axis = static_value(n.arg("axis")) if n.arg("axis") is not None else None
         if new is None:
             return None
         if axis not in (2, -2):
             raise ConversionError(f"{where}: dyn kv cache '{src}' is on axis {axis}; only axis 2 is supported")
-        return CacheSource("dyn", src, new, node=n, repeat=chain)
+        return CacheSource("dyn", src, new, node=n, repeat=list(chain or []), role=what)
     return None
 
 
+def cache_source(g: GraphEdit, name: str, where: str, what: str) -> CacheSource | None:
+    """The cache a K (``what = "key"``) or V reaches through casts and the GQA repeat, else None."""
+    src, chain = _repeat_chain(g, name, where)
+    return _cache_at(g, src, where, what, chain)
+
+
 # ----------------------------------------------------------------------------------------------
-def find_plain_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[str]]:
-    """Every plain attention; returns (blocks with a cache, descriptions of attentions without one)."""
+def _forward_to_pv(g: GraphEdit, sm: Node) -> tuple[Node | None, list[str]]:
+    """From a softmax forward through casts to ``p . V`` (p the first operand)."""
+    cur, fwd = sm.name, [sm.name]
+    for _ in range(8):
+        users = g.users(cur)
+        if len(users) != 1:
+            return None, fwd
+        u = users[0]
+        if u.op in PASSTHROUGH:
+            cur = u.name
+            fwd.append(cur)
+            continue
+        prod = _product(u)
+        if prod is not None and prod[0] == cur and not prod[2]:
+            return u, fwd
+        return None, fwd
+    return None, fwd
+
+
+def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
+    """Every attention of the graph with its caches, and a :class:`Miss` for each softmax or sdpa that
+    looks like an attention but could not be followed (or has no KV cache)."""
     blocks: list[AttentionBlock] = []
-    uncached: list[str] = []
-    for sm in [n for n in g.nodes if n.op == "softmax"]:
+    misses: list[Miss] = []
+    for sm in [n for n in g.nodes if n.op in SOFTMAX_OPS]:
         x = sm.arg_name("x")
         axis = _single_axis(sm, "axes")
         if x is None or axis not in (3, -1):
             continue
-        found = _scores_chain(g, x)
-        if found is None:
+        try:
+            mm1, ops = _to_scores(g, x)
+        except _Stop as stop:
+            misses.append(Miss(stop.node, stop.op, stop.expected, sm.name))
             continue
-        mm1, scale, mask, chain = found
-        q = mm1.arg_name("A")
-        if q is None or static_value(mm1.arg("transposeA") or A.LogicalLiteral(False)):
+        q, kfull, kfactor = _key_of_scores(g, mm1)  # type: ignore[misc]
+        mm2, fwd = _forward_to_pv(g, sm)
+        if mm2 is None:
+            last = g.node(fwd[-1])
+            users = g.users(fwd[-1])
+            misses.append(Miss(users[0].name if len(users) == 1 else fwd[-1],
+                               users[0].op if len(users) == 1 else (last.op if last else None),
+                               "p . V: a matmul or einsum bcij,bcjk->bcik reading the softmax (through casts) as "
+                               "its first operand", sm.name))
             continue
-        ko = _key_operand(g, mm1)
-        if ko is None:
-            continue
-        kfull, kfactor = ko
-        # forward: softmax -> [cast] -> matmul(p, V)
-        cur, fwd = sm.name, [sm.name]
-        mm2 = None
-        for _ in range(4):
-            users = g.users(cur)
-            if len(users) != 1:
-                break
-            u = users[0]
-            if u.op in PASSTHROUGH:
-                cur = u.name
-                fwd.append(cur)
-                continue
-            if u.op == "matmul" and u.arg_name("A") == cur and not static_value(
-                    u.arg("transposeA") or A.LogicalLiteral(False)) and not static_value(
-                    u.arg("transposeB") or A.LogicalLiteral(False)):
-                mm2 = u
-            break
-        if mm2 is None or mm2.arg_name("B") is None:
-            continue
+        prod2 = _product(mm2)
+        assert prod2 is not None
         where = f"{g.where}: attention at '{mm2.name}'"
-        key = _cache_source(g, kfull, where, "key")
-        value = _cache_source(g, mm2.arg_name("B") or "", where, "value")
-        desc = f"'{mm1.name}' -> softmax '{sm.name}' -> '{mm2.name}'"
+        key = cache_source(g, kfull, where, "key")
+        value = cache_source(g, prod2[1], where, "value")
         if key is None or value is None:
-            uncached.append(desc)
+            missing = kfull if key is None else prod2[1]
+            src, _ = _repeat_chain(g, missing, where)
+            n = g.node(src)
+            misses.append(Miss(src, n.op if n else None,
+                               "a KV cache: concat([cache input, new], axis = 2) with the cache a graph input, or "
+                               "tract_transformers_dyn_kv_cache", sm.name))
             continue
         if key.kind != value.kind:
             raise ConversionError(f"{where}: K comes from a {key.kind} cache but V from a {value.kind} one")
-        nodes = [mm1.name, *reversed(chain), *fwd, mm2.name]
-        blocks.append(AttentionBlock("plain", q, key, value, mm2.name, scale * kfactor, mask, nodes=nodes))
-    return blocks, uncached
-
-
-def find_sdpa_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[str]]:
-    """Every ``tract_transformers_sdpa`` fed by ``tract_transformers_dyn_kv_cache`` (K and V)."""
-    blocks: list[AttentionBlock] = []
-    uncached: list[str] = []
+        scale, softcap, mask, bad = _interpret(ops)
+        chain_nodes = [o[2] for o in ops]
+        kind = "einsum" if mm1.op == "tract_core_einsum" or mm2.op == "tract_core_einsum" else "plain"
+        blocks.append(AttentionBlock(kind, q, key, value, mm2.name, scale * kfactor, mask,
+                                     nodes=[mm1.name, *chain_nodes, *fwd, mm2.name], softcap=softcap, unsupported=bad))
     for n in [n for n in g.nodes if n.op == "tract_transformers_sdpa"]:
         where = f"{g.where}: tract_transformers_sdpa '{n.name}'"
         q, k, v = n.arg_name("q"), n.arg_name("k"), n.arg_name("v")
         if q is None or k is None or v is None:
-            uncached.append(f"sdpa '{n.name}' (non-identifier q/k/v)")
+            misses.append(Miss(n.name, n.op, "identifiers for q, k and v", n.name))
             continue
-        key = _cache_source(g, k, where, "key")
-        value = _cache_source(g, v, where, "value")
-        if key is None or value is None or key.kind != "dyn" or value.kind != "dyn":
-            uncached.append(f"sdpa '{n.name}'")
+        key = cache_source(g, k, where, "key")
+        value = cache_source(g, v, where, "value")
+        if key is None or value is None or key.kind != value.kind:
+            src, _ = _repeat_chain(g, k if key is None else v, where)
+            m = g.node(src)
+            misses.append(Miss(src, m.op if m else None,
+                               "a KV cache: concat([cache input, new], axis = 2) with the cache a graph input, or "
+                               "tract_transformers_dyn_kv_cache", n.name))
             continue
         scale_e = n.arg("scale")
         scale = g.scalar_const(scale_e) if scale_e is not None else None
         causal = n.arg("is_causal")
-        blocks.append(AttentionBlock("sdpa", q, key, value, n.name, scale, n.arg_name("mask"),
+        blocks.append(AttentionBlock("sdpa", q, key, value, n.name, scale or None, n.arg_name("mask"),
                                      is_causal=bool(static_value(causal)) if causal is not None else False,
                                      nodes=[n.name]))
-    return blocks, uncached
+    return blocks, misses
+
+
+# ----------------------------------------------------------------------------------------------
+_KEY_WORDS = ("key", "_k_", "k_cache", "keys")
+_VALUE_WORDS = ("value", "_v_", "v_cache", "values")
+
+
+def _role_by_name(*names: str | None) -> str:
+    for nm in names:
+        low = (nm or "").lower()
+        if any(w in low for w in _KEY_WORDS):
+            return "key"
+        if any(w in low for w in _VALUE_WORDS):
+            return "value"
+    return ""
+
+
+def _role_by_use(g: GraphEdit, name: str) -> str:
+    """``key`` when the cache reaches the second operand of a scores-like product (transposed), ``value``
+    when it reaches the second operand of p . V, through the GQA repeat and casts; else ''."""
+    frontier = [name]
+    seen: set[str] = set()
+    while frontier:
+        cur = frontier.pop()
+        if cur in seen:
+            continue
+        seen.add(cur)
+        for u in g.users(cur):
+            if u.op in REPEAT_OPS + PASSTHROUGH:
+                frontier.extend(u.names)
+            elif u.op == "transpose" and int_list(u.arg("axes")) == [0, 1, 3, 2]:
+                return "key"
+            elif u.op == "tract_transformers_sdpa":
+                return "key" if u.arg_name("k") == cur else "value" if u.arg_name("v") == cur else ""
+            else:
+                prod = _product(u)
+                if prod is not None and prod[1] == cur:
+                    return "key" if prod[2] else "value"
+    return ""
+
+
+def find_caches(g: GraphEdit, blocks: list[AttentionBlock] | None = None) -> list[CacheSource]:
+    """Every KV cache of the graph whatever the attention around it: ``concat([graph input, new],
+    axis = 2)`` and ``tract_transformers_dyn_kv_cache``, each with its role (key / value) from the
+    recognised attention, else from its names, else from how it is used."""
+    known = {}
+    for b in blocks or []:
+        known[b.key.full] = "key"
+        known[b.value.full] = "value"
+    out: list[CacheSource] = []
+    for n in g.nodes:
+        src = _cache_at(g, n.name, f"{g.where}: cache '{n.name}'", "") if n.op in ("concat", DYN_CACHE_OP) else None
+        if src is None:
+            continue
+        role = known.get(src.full) or _role_by_name(src.past, src.full, n.arg("name").value if isinstance(
+            n.arg("name"), A.StringLiteral) else None) or _role_by_use(g, src.full)
+        if not role:
+            raise ConversionError(f"{g.where}: cache '{src.full}' ({n.op}): cannot tell whether it holds keys or "
+                                  f"values (from the attention, its names or its use)")
+        src.role = role
+        out.append(src)
+    return out
+
+
+def exporter_problems(g: GraphEdit) -> list[str]:
+    """Known exporter bugs that make an archive unrunnable, one line each naming the node.
+
+    * torch-to-nnef ``--reify-sdpa-operator`` with grouped-query attention reshapes the query to
+      ``[B, Hkv, G*S, D]`` with ``G*S`` traced at ``S = 1``: the reshape's sequence entry is a literal while
+      the cache axis is symbolic, so no call of another length can run (tract refuses to load it)."""
+    out = []
+    for n in [n for n in g.nodes if n.op == "tract_transformers_sdpa"]:
+        q = n.arg_name("q")
+        r = g.node(q)
+        if r is None or r.op != "reshape":
+            continue
+        shape = r.arg("shape")
+        if not isinstance(shape, A.ArrayExpr) or len(shape.items) != 4:
+            continue
+        seq = shape.items[2]
+        lit = static_value(seq)
+        symbolic_input = any(isinstance(d, A.Identifier) or not isinstance(static_value(d), int) for d in shape.items[:2])
+        if isinstance(lit, int) and not isinstance(lit, bool) and lit > 1 and symbolic_input:
+            out.append(f"{g.where}: node '{r.name}' (reshape) gives tract_transformers_sdpa '{n.name}' a query whose "
+                       f"sequence axis is the constant {lit}: torch-to-nnef --reify-sdpa-operator with grouped-query "
+                       f"attention bakes the traced S = 1 into this reshape, so neither tract nor nnef-kv can run a "
+                       f"call of any other length; re-export without --reify-sdpa-operator")
+    return out

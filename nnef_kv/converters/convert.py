@@ -9,24 +9,25 @@ from typing import Any
 from ..errors import ConversionError
 from .graph_edit import GraphEdit
 from .options import ConvertOptions
+from .attention import exporter_problems
 from .passes import (
+    AttentionPass,
+    CachePass,
     CacheShapeToSymbolPass,
     CleanupPass,
     ConversionContext,
-    DynCachePass,
-    ExplicitCachePass,
     NormalizePass,
     PassReport,
     PositionBindingPass,
 )
 
 QUANTIZED_KV_OPS = ("tract_transformers_quantized_dyn_kv_cache", "tract_transformers_quantized_kv_sdpa",
-                    "nnef_kv_kivi_sdpa")
+                    "nnef_kv_kivi_sdpa", "nnef_kv_ggml_sdpa", "nnef_kv_hf_quantized_sdpa")
 
 LOOKED_FOR = (
-    "plain attention matmul(q, transpose(K)) -> [scale] -> [mask] -> softmax -> matmul(., V) or "
-    "tract_transformers_sdpa, with K/V from concat([cache input, new], axis = 2) or "
-    "tract_transformers_dyn_kv_cache"
+    "attention: q . K^T (matmul or tract_core_einsum, through casts), then casts / constant scales / tanh "
+    "softcapping / an additive mask, softmax, then p . V (matmul or einsum); or tract_transformers_sdpa; with K/V "
+    "from concat([cache input, new], axis = 2) or tract_transformers_dyn_kv_cache"
 )
 
 
@@ -38,6 +39,7 @@ class ConversionReport:
     options: ConvertOptions
     passes: list[PassReport] = field(default_factory=list)
     attentions: list[str] = field(default_factory=list)
+    caches: list[str] = field(default_factory=list)  # tract-cache: the caches replaced
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     tensors_removed: list[str] = field(default_factory=list)
@@ -97,24 +99,32 @@ def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: 
     g = GraphEdit(model.document, tensors, where)
     ctx = ConversionContext(g, options)
     report = ConversionReport(where, options)
+    problems = exporter_problems(g)
+    if problems:
+        raise ConversionError(problems[0])
     report.passes.append(NormalizePass().run(ctx))
-    report.passes.append(ExplicitCachePass().run(ctx))
-    report.passes.append(DynCachePass().run(ctx))
-    if not ctx.blocks:
+    if options.scheme == "tract-cache":
+        report.passes.append(CachePass().run(ctx))
+        done = bool(ctx.caches)
+    else:
+        report.passes.append(AttentionPass().run(ctx))
+        done = bool(ctx.blocks)
+    if not done:
         held = [(n.name, n.op) for n in g.nodes if n.op in QUANTIZED_KV_OPS]
         if held:
             raise ConversionError(f"{where}: the graph already holds a quantized KV cache ({held[0][1]} "
                                   f"'{held[0][0]}'); nothing to convert")
-        if ctx.uncached:
-            raise ConversionError(
-                f"{where}: attention found ({'; '.join(ctx.uncached[:3])}) but no KV cache: looked for K/V "
-                "coming from concat([cache input, new], axis = 2) with the cache a graph input, or from "
-                "tract_transformers_dyn_kv_cache; nothing to convert")
+        if ctx.misses:
+            raise ConversionError(f"{where}: {ctx.misses[0].message()}; nothing to convert")
+        if options.scheme == "tract-cache":
+            raise ConversionError(f"{where}: no KV cache found: looked for concat([cache input, new], axis = 2) with "
+                                  "the cache a graph input, or tract_transformers_dyn_kv_cache; nothing to convert")
         raise ConversionError(f"{where}: no attention found: looked for {LOOKED_FOR}; nothing to convert")
     report.passes.append(CacheShapeToSymbolPass().run(ctx))
     report.passes.append(PositionBindingPass().run(ctx))
     report.passes.append(CleanupPass().run(ctx, model))
-    report.attentions = [b.describe() for b in ctx.blocks]
+    report.attentions = [b.describe() for b in (ctx.blocks or ctx.found)]
+    report.caches = [f"{c.role}s: '{c.full}' ({c.kind})" for c in ctx.caches]
     if options.scheme == "tract" and options.bits != 8:
         report.passes[-1].notes.append(f"bits={options.bits} ignored: {'tract_transformers_quantized_kv_sdpa'} "
                                        "stores 8-bit codes")

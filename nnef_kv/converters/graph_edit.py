@@ -52,6 +52,8 @@ PARAMS: dict[str, tuple[str, ...]] = {
     "external": ("shape",),
     "tract_core_external": ("datum_type", "shape"),
     "tract_transformers_sdpa": ("q", "k", "v", "mask", "scale", "datum_type", "acc_datum_type", "is_causal"),
+    "tract_core_einsum": ("inputs", "expr", "acc", "output"),
+    "tanh": ("x",),
     "tract_transformers_dyn_kv_cache": ("input", "name", "axis", "datum_type", "past_sequence_shape",
                                         "input_sequence_shape"),
     "tract_transformers_quantized_dyn_kv_cache": ("input", "name", "axis", "bits", "per_channel", "datum_type",
@@ -63,7 +65,10 @@ STATEFUL_OPS = frozenset({
     "tract_transformers_dyn_kv_cache",
     "tract_transformers_quantized_dyn_kv_cache",
     "tract_transformers_quantized_kv_sdpa",
+    "tract_transformers_window_kv_sdpa",
     "nnef_kv_kivi_sdpa",
+    "nnef_kv_ggml_sdpa",
+    "nnef_kv_hf_quantized_sdpa",
 })
 
 SOURCE_OPS = frozenset({"external", "tract_core_external"})
@@ -321,6 +326,60 @@ class GraphEdit:
         self._index()
         return renamed
 
+    # -- fragment inlining ---------------------------------------------------------------------
+    def inline(self, name: str, fragment: A.FragmentDecl) -> list[str]:
+        """Replace the statement defining ``name`` (``out = fragment(args...)``) by the fragment's body,
+        its locals renamed ``{out}__{local}``, parameters bound to the arguments (defaults filled) and
+        operator expressions turned into invocations one statement each; returns the new names."""
+        n = self.producer[name]
+        inv = n.inv
+        assert inv is not None and fragment.body is not None
+        params = [p.name for p in fragment.params]
+        bound: dict[str, A.Expr] = {}
+        positional = [a for a in inv.args if a.name is None]
+        for p, a in zip(params, positional):
+            bound[p] = a.value
+        for a in inv.args:
+            if a.name is not None:
+                bound[a.name] = a.value
+        for p in fragment.params:
+            if p.name not in bound:
+                if p.default is None:
+                    raise ConversionError(f"{self.where}: '{name}' calls {fragment.name} without '{p.name}'")
+                bound[p.name] = p.default
+        outs = lhs_names(n.stmt.lhs)
+        if len(outs) != len(fragment.results):
+            raise ConversionError(f"{self.where}: '{name}' binds {len(outs)} results of {fragment.name}, which has "
+                                  f"{len(fragment.results)}")
+        results = {r.name: o for r, o in zip(fragment.results, outs)}
+        taken = self.all_names() | self.symbols()
+        local = {}
+        for st in fragment.body:
+            for nm in lhs_names(st.lhs):
+                if nm in results or nm in local:
+                    continue
+                new = self._fresh_in(f"{outs[0]}__{nm}", taken)
+                local[nm] = new
+        mapping = {**local, **results}
+        stmts: list[A.Assignment] = []
+        for st in fragment.body:
+            rhs = _substitute(st.rhs, bound, mapping)
+            lhs = rename(st.lhs, mapping)
+            stmts.extend(_flatten(lhs, rhs, taken, self._fresh_in))
+        i = n.index
+        self.body[i:i + 1] = stmts
+        self._index()
+        return [nm for st in stmts for nm in lhs_names(st.lhs)]
+
+    @staticmethod
+    def _fresh_in(base: str, taken: set[str]) -> str:
+        new, k = base, 1
+        while new in taken:
+            new = f"{base}_{k}"
+            k += 1
+        taken.add(new)
+        return new
+
     # -- edits ---------------------------------------------------------------------------------
     def replace_rhs(self, name: str, rhs: A.Expr) -> None:
         n = self.producer[name]
@@ -440,6 +499,54 @@ class GraphEdit:
             return None
         s = n.arg("shape")
         return list(s.items) if isinstance(s, A.ArrayExpr) else None
+
+
+_BINARY_OPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "^": "pow", "<": "lt", ">": "gt", "<=": "le",
+               ">=": "ge", "==": "eq", "!=": "ne", "&&": "and", "||": "or"}
+_UNARY_OPS = {"-": "neg", "!": "not"}
+
+
+def _substitute(e: Any, bound: dict[str, A.Expr], mapping: dict[str, str]) -> Any:
+    """``e`` with fragment parameters replaced by their arguments and locals renamed."""
+    if isinstance(e, A.Identifier):
+        if e.name in bound:
+            return bound[e.name]
+        return replace(e, name=mapping.get(e.name, e.name))
+    if isinstance(e, tuple):
+        return tuple(_substitute(x, bound, mapping) for x in e)
+    if hasattr(e, "__dataclass_fields__") and not isinstance(e, (A.StringLiteral, A.IntegerLiteral, A.ScalarLiteral,
+                                                                    A.LogicalLiteral)):
+        changes = {f: _substitute(getattr(e, f), bound, mapping) for f in e.__dataclass_fields__ if f != "pos"}
+        return replace(e, **changes)
+    return e
+
+
+def _flatten(lhs: A.Expr, rhs: A.Expr, taken: set[str], fresh) -> list[A.Assignment]:
+    """``lhs = rhs`` as statements whose tensor arguments are identifiers or literals: nested invocations
+    and operator expressions among the arguments become statements of their own (attribute arguments and
+    array items stay as written)."""
+    out: list[A.Assignment] = []
+    base = lhs_names(lhs)[0] if lhs_names(lhs) else "t"
+
+    def hoist(e: A.Expr) -> A.Expr:
+        if isinstance(e, (A.Invocation, A.BinaryExpr, A.UnaryExpr)):
+            name = fresh(f"{base}__t", taken)
+            out.extend(_flatten(A.Identifier(name), e, taken, fresh))
+            return A.Identifier(name)
+        if isinstance(e, A.ArrayExpr) and any(isinstance(x, (A.Invocation, A.BinaryExpr)) for x in e.items):
+            return A.ArrayExpr(tuple(hoist(x) for x in e.items))
+        return e
+
+    if isinstance(rhs, A.BinaryExpr) and rhs.op in _BINARY_OPS:
+        rhs = A.Invocation(_BINARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.left)), A.Argument(None, hoist(rhs.right))))
+    elif isinstance(rhs, A.UnaryExpr) and rhs.op in _UNARY_OPS:
+        rhs = A.Invocation(_UNARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.operand)),))
+    elif isinstance(rhs, A.Invocation):
+        args = tuple(A.Argument(a.name, hoist(a.value) if a.name is None or a.name == "inputs" else a.value)
+                     for a in rhs.args)
+        rhs = A.Invocation(rhs.name, rhs.generic, args)
+    out.append(A.Assignment(lhs, rhs))
+    return out
 
 
 def _arith(op: str, a: float | None, b: float | None) -> float | None:

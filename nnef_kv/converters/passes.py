@@ -3,17 +3,19 @@ and returns a :class:`PassReport` of what it changed.
 
 Order used by :func:`nnef_kv.converters.convert`:
 
-1. :class:`NormalizePass` -- one definition per name (see :meth:`GraphEdit.make_ssa`);
-2. :class:`ExplicitCachePass` -- plain attention over ``concat([past_input, new], axis = 2)``
-   (torch-to-nnef's explicit cache I/O, nnef-tools' ONNX output): the past inputs and present
-   outputs go, the caches move into the session;
-3. :class:`DynCachePass` -- ``tract_transformers_dyn_kv_cache`` (K, V) + ``tract_transformers_sdpa``;
-4. :class:`CacheShapeToSymbolPass` -- what the graph derived from the removed cache inputs' shapes
+1. :class:`NormalizePass` -- one definition per name (see :meth:`GraphEdit.make_ssa`), document fragments
+   holding an attention inlined;
+2. :class:`AttentionPass` (schemes ``kivi``, ``tract``) -- every attention :func:`.attention.find_attention`
+   recognises, over explicit caches (``concat([past_input, new], axis = 2)``: torch-to-nnef, nnef-tools' ONNX
+   output; the past inputs and present outputs go, the caches move into the session) or
+   ``tract_transformers_dyn_kv_cache``, becomes the scheme's fused op; or :class:`CachePass` (scheme
+   ``tract-cache``) -- every cache becomes tract's quantized dyn cache, the attention left as exported;
+3. :class:`CacheShapeToSymbolPass` -- what the graph derived from the removed cache inputs' shapes
    (past length ``P`` for positions and masks) becomes an expression of the declared symbol;
-5. :class:`PositionBindingPass` -- fused schemes only: a ``[1, 1, S, 1]`` ``tract_transformers_dyn_kv_cache``
+4. :class:`PositionBindingPass` -- fused schemes only: a ``[1, 1, S, 1]`` ``tract_transformers_dyn_kv_cache``
    whose ``past_sequence_shape = [1, 1, P, 1]`` keeps ``P`` bound at run time (tract binds symbols
    from stateful cache nodes; the fused ops carry no sequence shape);
-6. :class:`CleanupPass` -- dead code, unused tensors, extensions.
+5. :class:`CleanupPass` -- dead code, unused tensors, extensions.
 
 Schemes (what an attention with its caches becomes):
 
@@ -31,14 +33,13 @@ from typing import Any
 
 from ..errors import ConversionError
 from ..grammar import ast as A
-from .attention import AttentionBlock, CacheSource, find_plain_attention, find_sdpa_attention
+from .attention import DYN_CACHE_OP, AttentionBlock, CacheSource, Miss, find_attention, find_caches
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
 from .options import ConvertOptions
 
 KIVI_OP = "nnef_kv_kivi_sdpa"
 TRACT_FUSED_OP = "tract_transformers_quantized_kv_sdpa"
 TRACT_QCACHE_OP = "tract_transformers_quantized_dyn_kv_cache"
-DYN_CACHE_OP = "tract_transformers_dyn_kv_cache"
 POSITION_CACHE = "nnef_kv_positions"
 
 
@@ -80,9 +81,12 @@ class ConversionContext:
 
     graph: GraphEdit
     options: ConvertOptions
-    blocks: list[AttentionBlock] = field(default_factory=list)
-    uncached: list[str] = field(default_factory=list)
+    blocks: list[AttentionBlock] = field(default_factory=list)  # attentions rewritten to a fused op
+    found: list[AttentionBlock] = field(default_factory=list)  # attentions recognised (any scheme)
+    caches: list[CacheSource] = field(default_factory=list)  # caches rewritten (tract-cache)
+    misses: list[Miss] = field(default_factory=list)
     removed_inputs: dict[str, list[A.Expr]] = field(default_factory=dict)  # past input -> declared shape
+    removed_full: dict[str, list[A.Expr]] = field(default_factory=dict)  # past + new (concat) -> its shape
     past_symbol: str | None = None  # the symbol of the past length (P)
     new_symbol: str | None = None  # the symbol of this call's length (S)
     initially_dead: set[str] = field(default_factory=set)  # dead before conversion: left as they were
@@ -141,9 +145,10 @@ def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: i
         scale = 1.0 / math.sqrt(head_dim)
     causal = block.is_causal or block.mask is not None
     if o.scheme == "kivi":
+        extra = {"softcap": float(block.softcap)} if block.softcap else {}
         return invocation(KIVI_OP, A.Identifier(block.q), A.Identifier(block.key.new), A.Identifier(block.value.new),
                           axis=2, scale=float(scale), bits=o.bits, key_group=o.key_group, value_group=o.value_group,
-                          residual=o.residual, sinks=o.sinks, is_causal=bool(causal))
+                          residual=o.residual, sinks=o.sinks, is_causal=bool(causal), **extra)
     return invocation(TRACT_FUSED_OP, A.Identifier(block.q), A.Identifier(block.key.new),
                       A.Identifier(block.value.new), axis=2, scale=float(scale))
 
@@ -155,41 +160,176 @@ def _static_dim(e: A.Expr | None) -> int | None:
 
 # ----------------------------------------------------------------------------------------------
 class NormalizePass:
+    """One definition per name, and document fragments that hold an attention (a softmax) inlined, so
+    the attention is visible in the graph body (torch-to-nnef writes some f16 attentions as a fragment)."""
+
     name = "normalize"
 
     def run(self, ctx: ConversionContext) -> PassReport:
         rep = PassReport(self.name)
-        before = [n.name for n in ctx.graph.nodes]
-        k = ctx.graph.make_ssa()
-        probe = GraphEdit(ctx.graph.document(), ctx.graph.tensors, ctx.graph.where)
+        g = ctx.graph
+        before = [n.name for n in g.nodes]
+        k = g.make_ssa()
+        if k:
+            after = [n.name for n in g.nodes]
+            rep.nodes_replaced = [f"{a} -> {b}" for a, b in zip(before, after) if a != b]
+            rep.notes.append(f"{k} re-assigned names given a name of their own (values unchanged)")
+        frags = {f.name: f for f in g.doc.fragments if f.body is not None and _holds_softmax(f, g.doc)}
+        calls = [n.name for n in g.nodes if n.op in frags]
+        for name in calls:
+            op = g.producer[name].op
+            g.inline(name, frags[op])  # type: ignore[index]
+            rep.nodes_replaced.append(f"{name}: {op}(...) inlined")
+        if calls:
+            rep.notes.append(f"{len(calls)} call(s) of attention fragments ({', '.join(sorted({g.op_of(c) or '' for c in calls} - {''}) or sorted(frags))}) "
+                             "inlined into the graph")
+        probe = GraphEdit(g.document(), g.tensors, g.where)
         ctx.initially_dead = set(probe.dead_code())
         if ctx.initially_dead:
             rep.notes.append(f"{len(ctx.initially_dead)} statements unused in the input graph are kept as they are")
-        if k:
-            after = [n.name for n in ctx.graph.nodes]
-            rep.nodes_replaced = [f"{a} -> {b}" for a, b in zip(before, after) if a != b]
-            rep.notes.append(f"{k} re-assigned names given a name of their own (values unchanged)")
         return rep
 
 
-class ExplicitCachePass:
-    """Plain attention over explicit cache inputs/outputs (torch-to-nnef, ONNX)."""
+def _holds_softmax(frag: A.FragmentDecl, doc: A.Document, depth: int = 0) -> bool:
+    inner = {f.name: f for f in doc.fragments if f.body is not None}
+    for st in frag.body or ():
+        for inv in _invocations(st.rhs):
+            if inv.name == "softmax":
+                return True
+            if inv.name in inner and depth < 8 and _holds_softmax(inner[inv.name], doc, depth + 1):
+                return True
+    return False
 
-    name = "explicit-cache"
+
+def _invocations(e: Any):
+    if isinstance(e, A.Invocation):
+        yield e
+        for a in e.args:
+            yield from _invocations(a.value)
+    elif isinstance(e, (A.BinaryExpr,)):
+        yield from _invocations(e.left)
+        yield from _invocations(e.right)
+    elif isinstance(e, A.UnaryExpr):
+        yield from _invocations(e.operand)
+    elif isinstance(e, (A.ArrayExpr, A.TupleExpr)):
+        for x in e.items:
+            yield from _invocations(x)
+
+
+def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:
+    """The fused op of the scheme must express the attention: refuse in one line otherwise."""
+    where = f"{ctx.graph.where}: attention '{b.output}'"
+    scheme = ctx.options.scheme
+    if b.unsupported:
+        raise ConversionError(f"{where}: its scores go through {', '.join(b.unsupported)} before the softmax, which "
+                              f"{KIVI_OP if scheme == 'kivi' else TRACT_FUSED_OP} does not compute; scheme tract-cache "
+                              f"converts the caches only and keeps the attention as exported")
+    if b.softcap and scheme == "tract":
+        raise ConversionError(f"{where}: the scores are softcapped (tanh, cap {b.softcap:g}) and {TRACT_FUSED_OP} has no "
+                              f"softcap: use --scheme kivi (softcap attribute) or --scheme tract-cache")
+
+
+class AttentionPass:
+    """Fused schemes (``kivi``, ``tract``): every recognised attention over explicit (torch-to-nnef, ONNX)
+    or dyn caches becomes one fused op over this call's new keys/values; explicit cache inputs/outputs go
+    (the caches move into the session), dyn cache nodes go."""
+
+    name = "attention"
 
     def run(self, ctx: ConversionContext) -> PassReport:
         g = ctx.graph
         rep = PassReport(self.name)
-        blocks, uncached = find_plain_attention(g)
-        ctx.uncached += uncached
-        blocks = [b for b in blocks if b.key.kind == "explicit"]
+        blocks, misses = find_attention(g)
+        ctx.misses += misses
+        ctx.found = blocks
         if not blocks:
             return rep
         scheme = ctx.options.scheme
+        op = KIVI_OP if scheme == "kivi" else TRACT_FUSED_OP
         present: list[str] = []
+        drop: set[str] = set()
+        for b in blocks:
+            _check_scheme(ctx, b)
         for b in blocks:
             ctx.blocks.append(b)
-            for src in (b.key, b.value):
+            head_dim = self._record_caches(ctx, b, present, drop)
+            g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim))
+            rep.nodes_replaced.append(f"{b.output}: {b.kind} -> {op}")
+            if b.mask is not None:
+                rep.notes.append(f"attention '{b.output}': mask '{b.mask}' replaced by the op's causal masking"
+                                 if scheme == "kivi" else
+                                 f"attention '{b.output}': mask '{b.mask}' dropped: {TRACT_FUSED_OP} has no causal "
+                                 "mask (a multi-token call attends to its whole cache)")
+            if b.softcap:
+                rep.notes.append(f"attention '{b.output}': tanh softcapping {b.softcap:g} kept (softcap attribute)")
+        ctx.forget_dead_readers(set(ctx.removed_inputs) | set(present) | drop)
+        rep.inputs_removed = [n for n in g.inputs if n in ctx.removed_inputs]
+        g.inputs = [n for n in g.inputs if n not in ctx.removed_inputs]
+        rep.outputs_removed = [n for n in g.outputs if n in present]
+        g.outputs = [n for n in g.outputs if n not in present]
+        if drop:  # f32 dyn caches nothing reads any more (stateful nodes are never dead code)
+            still = {x for n in g.nodes if n.name not in drop for x in identifiers(n.stmt.rhs)}
+            for name in sorted(drop - still):
+                del g.body[g.producer[name].index]
+                g.reindex()
+                rep.nodes_removed.append(name)
+        before = {n.name for n in g.nodes}
+        ctx.dead_code()
+        rep.nodes_removed += sorted(before - {n.name for n in g.nodes})
+        return rep
+
+    @staticmethod
+    def _record_caches(ctx: ConversionContext, b: AttentionBlock, present: list[str], drop: set[str]) -> int | None:
+        """Note what the block's caches take out of the graph; returns the head size when declared."""
+        g = ctx.graph
+        head_dim = None
+        for src in (b.key, b.value):
+            if src.kind == "explicit":
+                assert src.past is not None
+                shape = g.declared_shape(src.past)
+                if shape is None or len(shape) != 4:
+                    raise ConversionError(f"{g.where}: cache input '{src.past}' has no rank-4 declared shape")
+                ctx.removed_inputs[src.past] = shape
+                if isinstance(shape[2], A.Identifier):
+                    ctx.past_symbol = ctx.past_symbol or shape[2].name
+                full = list(shape)
+                full[2] = A.BinaryExpr("+", shape[2], A.Identifier(_seq_symbol(ctx)))
+                ctx.removed_full[src.full] = full
+                present.append(src.full)
+                head_dim = head_dim or _static_dim(shape[3])
+            else:
+                assert src.node is not None
+                pss = src.node.arg("past_sequence_shape")
+                if isinstance(pss, A.ArrayExpr) and len(pss.items) == 4:
+                    if isinstance(pss.items[2], A.Identifier):
+                        ctx.past_symbol = ctx.past_symbol or pss.items[2].name
+                    head_dim = head_dim or _static_dim(pss.items[3])
+                iss = src.node.arg("input_sequence_shape")
+                if isinstance(iss, A.ArrayExpr) and len(iss.items) == 4 and isinstance(iss.items[2], A.Identifier):
+                    ctx.new_symbol = ctx.new_symbol or iss.items[2].name
+                drop.add(src.full)
+        return head_dim
+
+
+class CachePass:
+    """Scheme ``tract-cache``: every KV cache becomes ``tract_transformers_quantized_dyn_kv_cache`` (keys per
+    channel, values per token), whatever the attention reading it; explicit cache inputs/outputs go."""
+
+    name = "caches"
+
+    def run(self, ctx: ConversionContext) -> PassReport:
+        g = ctx.graph
+        rep = PassReport(self.name)
+        blocks, misses = find_attention(g)
+        ctx.found = blocks
+        caches = find_caches(g, blocks)
+        if not caches:
+            ctx.misses += misses
+            return rep
+        present: list[str] = []
+        for src in caches:
+            per_channel = 1 if src.role == "key" else 0
+            if src.kind == "explicit":
                 assert src.past is not None
                 shape = g.declared_shape(src.past)
                 if shape is None or len(shape) != 4:
@@ -198,25 +338,13 @@ class ExplicitCachePass:
                 if isinstance(shape[2], A.Identifier):
                     ctx.past_symbol = ctx.past_symbol or shape[2].name
                 present.append(src.full)
-            if scheme == "tract-cache":
-                for src, per_channel in ((b.key, 1), (b.value, 0)):
-                    self._quantized_cache(ctx, src, per_channel)
-                    rep.nodes_replaced.append(f"{src.full}: concat -> {TRACT_QCACHE_OP}")
-                if b.mask is not None:
-                    rep.notes.append(f"attention '{b.output}': mask '{b.mask}' kept as exported")
+                self._explicit(ctx, src, per_channel)
             else:
-                head_dim = _static_dim(ctx.removed_inputs[b.key.past][3]) if b.key.past else None
-                op = KIVI_OP if scheme == "kivi" else TRACT_FUSED_OP
-                g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim))
-                rep.nodes_replaced.append(f"{b.output}: matmul -> {op}")
-                if b.mask is not None:
-                    if scheme == "kivi":
-                        rep.notes.append(f"attention '{b.output}': additive mask '{b.mask}' replaced by the op's "
-                                         "causal masking (is_causal = true)")
-                    else:
-                        rep.notes.append(f"attention '{b.output}': mask '{b.mask}' dropped: {TRACT_FUSED_OP} has "
-                                         "no causal mask (a multi-token call attends to its whole cache)")
-        ctx.forget_dead_readers(set(ctx.removed_inputs) | (set(present) if scheme != "tract-cache" else set()))
+                self._dyn(ctx, src, per_channel)
+            rep.nodes_replaced.append(f"{src.full} ({src.role}s): {'concat' if src.kind == 'explicit' else DYN_CACHE_OP} "
+                                      f"-> {TRACT_QCACHE_OP}")
+        ctx.caches = caches
+        ctx.forget_dead_readers(set(ctx.removed_inputs))
         rep.inputs_removed = [n for n in g.inputs if n in ctx.removed_inputs]
         g.inputs = [n for n in g.inputs if n not in ctx.removed_inputs]
         rep.outputs_removed = [n for n in g.outputs if n in present]
@@ -226,7 +354,8 @@ class ExplicitCachePass:
         rep.nodes_removed = sorted(before - {n.name for n in g.nodes})
         return rep
 
-    def _quantized_cache(self, ctx: ConversionContext, src: CacheSource, per_channel: int) -> None:
+    @staticmethod
+    def _explicit(ctx: ConversionContext, src: CacheSource, per_channel: int) -> None:
         g = ctx.graph
         assert src.past is not None
         past_shape = ctx.removed_inputs[src.past]
@@ -239,68 +368,17 @@ class ExplicitCachePass:
             past_sequence_shape=A.ArrayExpr(tuple(past_shape)), input_sequence_shape=A.ArrayExpr(tuple(new_shape)))
         g.replace_rhs(src.full, rhs)
 
-
-class DynCachePass:
-    """``tract_transformers_dyn_kv_cache`` (K, V) feeding ``tract_transformers_sdpa``."""
-
-    name = "dyn-cache"
-
-    def run(self, ctx: ConversionContext) -> PassReport:
+    @staticmethod
+    def _dyn(ctx: ConversionContext, src: CacheSource, per_channel: int) -> None:
         g = ctx.graph
-        rep = PassReport(self.name)
-        blocks, uncached = find_sdpa_attention(g)
-        ctx.uncached += uncached
-        # plain attention over dyn caches is handled the same way
-        plain, _ = find_plain_attention(g)
-        blocks += [b for b in plain if b.key.kind == "dyn"]
-        if not blocks:
-            return rep
-        scheme = ctx.options.scheme
-        drop: set[str] = set()
-        for b in blocks:
-            ctx.blocks.append(b)
-            for src in (b.key, b.value):
-                assert src.node is not None
-                pss = src.node.arg("past_sequence_shape")
-                if isinstance(pss, A.ArrayExpr) and len(pss.items) == 4 and isinstance(pss.items[2], A.Identifier):
-                    ctx.past_symbol = ctx.past_symbol or pss.items[2].name
-                iss = src.node.arg("input_sequence_shape")
-                if isinstance(iss, A.ArrayExpr) and len(iss.items) == 4 and isinstance(iss.items[2], A.Identifier):
-                    ctx.new_symbol = ctx.new_symbol or iss.items[2].name
-            if scheme == "tract-cache":
-                for src, per_channel in ((b.key, 1), (b.value, 0)):
-                    assert src.node is not None and src.node.inv is not None
-                    inv = src.node.inv
-                    args = list(inv.args)
-                    names = [a.name for a in args]
-                    at = names.index("axis") + 1 if "axis" in names else len(args)
-                    args[at:at] = [A.Argument("bits", A.IntegerLiteral(ctx.options.bits)),
-                                   A.Argument("per_channel", A.IntegerLiteral(per_channel))]
-                    g.replace_rhs(src.full, A.Invocation(TRACT_QCACHE_OP, None, tuple(args)))
-                    rep.nodes_replaced.append(f"{src.full}: {DYN_CACHE_OP} -> {TRACT_QCACHE_OP}")
-                continue
-            pss = b.key.node.arg("past_sequence_shape") if b.key.node is not None else None
-            head_dim = _static_dim(pss.items[3]) if isinstance(pss, A.ArrayExpr) and len(pss.items) == 4 else None
-            g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim))
-            rep.nodes_replaced.append(f"{b.output}: {b.kind} -> {KIVI_OP if scheme == 'kivi' else TRACT_FUSED_OP}")
-            drop.update({b.key.full, b.value.full})
-            if b.mask is not None:
-                rep.notes.append(f"attention '{b.output}': mask '{b.mask}' dropped ("
-                                 + ("causal masking by the op)" if scheme == "kivi" else "the tract fused op has no mask)"))
-        if drop:
-            ctx.forget_dead_readers(drop)
-            # the f32 caches are no longer read: remove them (stateful nodes are never dead code)
-            still = {x for n in g.nodes if n.name not in drop for x in identifiers(n.stmt.rhs)}
-            kept = drop & still
-            for name in sorted(drop - kept):
-                i = g.producer[name].index
-                del g.body[i]
-                g.reindex()
-                rep.nodes_removed.append(name)
-        before = {n.name for n in g.nodes}
-        ctx.dead_code()
-        rep.nodes_removed += sorted(before - {n.name for n in g.nodes})
-        return rep
+        assert src.node is not None and src.node.inv is not None
+        inv = src.node.inv
+        args = list(inv.args)
+        names = [a.name for a in args]
+        at = names.index("axis") + 1 if "axis" in names else len(args)
+        args[at:at] = [A.Argument("bits", A.IntegerLiteral(ctx.options.bits)),
+                       A.Argument("per_channel", A.IntegerLiteral(per_channel))]
+        g.replace_rhs(src.full, A.Invocation(TRACT_QCACHE_OP, None, tuple(args)))
 
 
 class CacheShapeToSymbolPass:
@@ -311,6 +389,13 @@ class CacheShapeToSymbolPass:
     def run(self, ctx: ConversionContext) -> PassReport:
         g = ctx.graph
         rep = PassReport(self.name)
+        # a removed concatenation (past + new) may still have its shape read (sdpa exports reshape the
+        # attention output with it): that shape is the past's with P + S on the sequence axis
+        for full, dims in ctx.removed_full.items():
+            for r in list(g.users(full)):
+                if r.name in g.producer and r.op in ("tract_core_shape_of", "shape_of"):
+                    self._rewrite_shape(ctx, r, dims, rep)
+        ctx.dead_code()
         for past, dims in ctx.removed_inputs.items():
             for r in list(g.users(past)):
                 if g.producer.get(r.name) is not None and g.producer[r.name].stmt != r.stmt:

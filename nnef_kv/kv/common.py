@@ -134,6 +134,12 @@ class GrowBuffer:
     def nbytes(self) -> int:
         return int(self.data.nbytes)
 
+    @property
+    def used_nbytes(self) -> int:
+        """Bytes of the ``len`` items written (the rest of :attr:`nbytes` is spare capacity)."""
+        cap = self.capacity
+        return int(self.data.nbytes // cap * self.len) if cap else 0
+
     def set_exact(self, arr: np.ndarray) -> None:
         """Replace contents by ``arr`` (capacity = its length), used when loading state."""
         arr = np.ascontiguousarray(arr, dtype=self.dtype)
@@ -151,6 +157,13 @@ class BufferCheckpoint:
 
     def _buffers(self) -> list[GrowBuffer]:
         raise NotImplementedError
+
+    def used_nbytes(self) -> int:
+        """Bytes actually written: what :meth:`nbytes` counts (codes + params + full precision), less the
+        spare capacity of the grow-only buffers (short caches hold pages they have not filled yet)."""
+        nb = self.nbytes()  # type: ignore[attr-defined]
+        held = int(nb.get("codes", 0) + nb.get("params", 0) + nb.get("full_precision", 0))
+        return held - sum(b.nbytes - b.used_nbytes for b in self._buffers())
 
     def checkpoint(self) -> Any:
         bufs = self._buffers()

@@ -81,6 +81,7 @@ class KiviConfig:
     clip: bool = False
     params: str = "f16"
     block_tokens: int = 0  # 0: chosen so that one block of codes is ~1 MiB of f32
+    softcap: float = 0.0  # > 0: scores softcapped, softcap * tanh(scores / softcap) (Gemma 2); 0: none
 
     def validate(self, who: str) -> None:
         if not 1 <= self.bits <= 8:
@@ -95,6 +96,8 @@ class KiviConfig:
             raise GraphError(f"{who}: rotate must be one of none, k, v, kv, got {self.rotate!r}")
         if self.params not in ("f16", "f32"):
             raise GraphError(f"{who}: params must be 'f16' or 'f32', got {self.params!r}")
+        if not self.softcap >= 0 or self.softcap == float("inf"):
+            raise GraphError(f"{who}: softcap must be a finite number >= 0 (0: none), got {self.softcap}")
 
     @property
     def param_dtype(self) -> np.dtype:
@@ -209,14 +212,14 @@ class KiviSdpa(BufferCheckpoint):
     def __init__(self, axis: int = 2, scale: float = 0.125, bits: int = 4, key_group: int = 32,
                  value_group: int = 32, residual: int = 32, sinks: int = 0, is_causal: bool = True,
                  rotate: str = "none", clip: bool = False, params: str = "f16", block_tokens: int = 0,
-                 threads: int = 1, score_budget: int = 1 << 22) -> None:
+                 threads: int = 1, score_budget: int = 1 << 22, softcap: float = 0.0) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
         self.cfg = KiviConfig(scale=float(scale), bits=int(bits), key_group=int(key_group),
                               value_group=int(value_group), residual=int(residual), sinks=int(sinks),
                               is_causal=bool(is_causal), rotate=str(rotate), clip=bool(clip),
-                              params=str(params), block_tokens=int(block_tokens))
+                              params=str(params), block_tokens=int(block_tokens), softcap=float(softcap))
         self.cfg.validate(self.WHO)
         self.levels = float((1 << self.cfg.bits) - 1)
         self.threads = max(1, int(threads))  # worker threads of the attention (not an NNEF attribute)
@@ -466,6 +469,7 @@ class KiviSdpa(BufferCheckpoint):
             self._key_scores(s[:, :, ns:ns + tq], q, h0, h1, slot)
         if nr:
             np.matmul(q, _as32(view.res_k[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
+        self._softcap(s)
         if c.is_causal and sq > 1:  # a single query is the last position: it sees everything
             qpos = (total - sq) + (np.arange(m) % sq)
             s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
@@ -578,6 +582,7 @@ class KiviSdpa(BufferCheckpoint):
             """Online softmax: fold one block of scores (and its values, via pv_fn) into mx/ls/acc."""
             nonlocal mx, ls, acc
             blk = s.shape[-1]
+            self._softcap(s)
             if c.is_causal and p0 + blk - 1 > qmin_pos:
                 keep = (p0 + np.arange(blk))[None, :] <= qpos[:, None]
                 s = np.where(keep[None], s, np.float32(-np.inf))
@@ -646,6 +651,15 @@ class KiviSdpa(BufferCheckpoint):
             merge(np.matmul(q, np.swapaxes(kr, -1, -2)), lambda p: np.matmul(p, vr), view.ns + tq)
         with np.errstate(invalid="ignore", divide="ignore"):
             return acc / ls[..., None]
+
+    def _softcap(self, s: np.ndarray) -> None:
+        """``softcap * tanh(s / softcap)`` in place (f32), when the op softcaps its scores."""
+        c = self.cfg.softcap
+        if c:
+            cap = np.float32(c)
+            np.divide(s, cap, out=s)
+            np.tanh(s, out=s)
+            np.multiply(s, cap, out=s)
 
     def _key_fix(self, s, q, t0: int, t1: int, kmin, kg: int, h0: int, h1: int) -> None:
         h, pos, ch, val = self.k_out.in_range(t0, t1)
@@ -784,6 +798,7 @@ class KiviSdpa(BufferCheckpoint):
                 np.matmul(qb, kq.swapaxes(-1, -2), out=s[:, :, ns:ns + tqf])
             if nfp:
                 np.matmul(qb, rk.swapaxes(-1, -2), out=s[:, :, ns + tqf:])
+            self._softcap(s)
             np.copyto(s, np.float32(-np.inf), where=masked)
             mx = s.max(axis=-1, keepdims=True)
             if not mx.min() > -np.inf:
@@ -969,4 +984,4 @@ class KiviSdpa(BufferCheckpoint):
         c = replace(self.cfg, **changes)
         return KiviSdpa(scale=c.scale, bits=c.bits, key_group=c.key_group, value_group=c.value_group,
                         residual=c.residual, sinks=c.sinks, is_causal=c.is_causal, rotate=c.rotate,
-                        clip=c.clip, params=c.params, block_tokens=c.block_tokens)
+                        clip=c.clip, params=c.params, block_tokens=c.block_tokens, softcap=c.softcap)

@@ -226,16 +226,17 @@ class InterpreterDecoder:
             c = st.census()
             nb = st.nbytes() if callable(getattr(st, "nbytes", None)) else {}
             held = int(nb.get("codes", 0) + nb.get("params", 0) + nb.get("full_precision", 0))
+            used = st.used_nbytes() if callable(getattr(st, "used_nbytes", None)) else held
             rows.append({"node": node.name, "op": node.op, "quantized": bool(getattr(st, "QUANTIZED", False)),
                          "tokens": c["tokens"], "quantized_tokens": c["quantized"],
-                         "full_precision_tokens": c["full_precision"], "bytes": held,
+                         "full_precision_tokens": c["full_precision"], "bytes": held, "bytes_used": int(used),
                          "bytes_f32": int(c.get("f32_bytes", 0))})
         for name, arr in self.cache.items():
             a = np.asarray(arr)
             rows.append({"node": name, "op": "explicit cache input", "quantized": False,
                          "tokens": int(a.shape[2]) if a.ndim == 4 else 0, "quantized_tokens": 0,
                          "full_precision_tokens": int(a.shape[2]) if a.ndim == 4 else 0,
-                         "bytes": int(a.nbytes), "bytes_f32": 4 * int(a.size)})
+                         "bytes": int(a.nbytes), "bytes_used": int(a.nbytes), "bytes_f32": 4 * int(a.size)})
         return rows
 
     def kv_bytes(self) -> dict[str, int]:

@@ -79,8 +79,8 @@ def format_summary(s: dict[str, Any]) -> list[tuple[str, str]]:
     rows += [("tokens held quantized / full precision (per KV op)", f"{s['quantized_tokens']} / {s['full_precision_tokens']}"),
              ("evaluated tokens reading quantized entries", f"{s['tokens_reading_quantized']} of {s['eval_tokens']}"
               + ("" if s["first_quantized_read"] is None else f" (from position {s['context'] + s['first_quantized_read']})")),
-             ("KV bytes held / as f32", f"{s['kv_bytes']:,} / {s['kv_bytes_f32']:,}"
-              + ("" if s["kv_ratio"] is None else f" (ratio {s['kv_ratio']:.3f})"))]
+             ("KV bytes held / used / as f32", f"{s['kv_bytes']:,} / {s['kv_bytes_used']:,} / {s['kv_bytes_f32']:,}"
+              + ("" if s["kv_ratio"] is None else f" (held / f32 {s['kv_ratio']:.3f})"))]
     return rows
 
 
@@ -102,10 +102,11 @@ def render_markdown(rep: ValidationReport) -> str:
         if att:
             lines += ["", f"Attention deviation: {res.attention_note}.", "", "| layer | mean | worst |", "|---|---|---|"]
             lines += [f"| {i} | {m:.4g} | {w:.4g} |" for i, (m, w) in enumerate(zip(att["per_layer_mean"], att["per_layer_max"]))]
-        lines += ["", "| KV op | node | tokens | quantized | full precision | bytes held | as f32 |", "|---|---|---|---|---|---|---|"]
+        lines += ["", "| KV op | node | tokens | quantized | full precision | bytes held | bytes used | as f32 |",
+                  "|---|---|---|---|---|---|---|---|"]
         for c in res.archive.census:
             lines.append(f"| {c['op']} | `{c['node']}` | {c['tokens']} | {c['quantized_tokens']} | {c['full_precision_tokens']} "
-                         f"| {c['bytes']:,} | {c['bytes_f32']:,} |")
+                         f"| {c['bytes']:,} | {c['bytes_used']:,} | {c['bytes_f32']:,} |")
     p = rep.parity
     lines += ["", "## tract parity", ""]
     if p is None:

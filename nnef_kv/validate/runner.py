@@ -151,6 +151,7 @@ class Measurement:
     kv_bytes: int
     kv_bytes_f32: int
     seconds: float
+    kv_bytes_used: int = 0  # what was written: held, less the spare capacity of growing buffers
     logits_dtype: str = "float32"
 
 
@@ -220,7 +221,7 @@ class ContextResult:
             "context": self.context, "eval_tokens": self.eval_tokens, "chunk": self.chunk,
             "quantized_tokens": self.quantized_tokens, "full_precision_tokens": self.full_precision_tokens,
             "tokens_reading_quantized": self.reads_quantized, "first_quantized_read": self.first_quantized_read,
-            "kv_bytes": a.kv_bytes, "kv_bytes_f32": a.kv_bytes_f32,
+            "kv_bytes": a.kv_bytes, "kv_bytes_used": a.kv_bytes_used, "kv_bytes_f32": a.kv_bytes_f32,
             "kv_ratio": (a.kv_bytes / a.kv_bytes_f32) if a.kv_bytes_f32 else None,
         }
         nll = nll_of(a.logits, self.targets)
@@ -466,6 +467,7 @@ def _measure(dec: Any, ids: Sequence[int], ctx: int, n: int, chunk: int | None,
     census = dec.census()
     return Measurement(logits=logits, attention=attention, reads=reads.astype(np.int64), census=census,
                        kv_bytes=int(sum(c["bytes"] for c in census)), kv_bytes_f32=int(sum(c["bytes_f32"] for c in census)),
+                       kv_bytes_used=int(sum(c["bytes_used"] for c in census)),
                        seconds=seconds, logits_dtype=str(getattr(dec, "logits_dtype", "float32")))
 
 

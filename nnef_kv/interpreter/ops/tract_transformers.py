@@ -307,6 +307,11 @@ class DynKvCache:
     def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
         return np.zeros(n, np.int64)
 
+    def used_nbytes(self) -> int:
+        """Bytes of the entries held (the buffer's spare capacity left out)."""
+        c = self.cache
+        return 0 if c is None else int(c.nbytes)
+
     def census(self) -> dict[str, int]:
         """Entries held (all in full precision); ``f32_bytes``: what they take as f32."""
         c = self.cache
