@@ -358,3 +358,24 @@ def test_bytes_used_beside_bytes_held_at_short_lengths(text_ref, source) -> None
     assert s["kv_bytes"] > s["kv_bytes_f32"] > s["kv_bytes_used"] > 0
     for c in rep.contexts[0].archive.census:
         assert c["bytes_used"] <= c["bytes"]
+
+
+@requires_shared
+@requires_tract
+def test_f16_archive_tract_parity_follows_its_dtype() -> None:
+    """An f16 export converted to tract's quantized dyn cache: parity with tract judged with the f16
+    tolerance (an f32-sized one failed it at argmax agreement 1.000)."""
+    from nnef_kv.converters import convert
+    from nnef_kv.text import token_source
+
+    d = FIXTURES / "exports" / "llama_f16"
+    ref = nnef_kv.load(d / "model.nnef.tgz")
+    src = token_source(prompt=open(d / "config.json").read() * 3, tokenizer=d / "tokenizer.json")
+    rep = validate_model(convert(ref, scheme="tract-cache", bits=8)[0], ref, src,
+                         ValidateOptions(contexts=[120], eval_tokens=16))
+    p = rep.parity
+    assert p.status == "ok" and (p.atol, p.rtol) == (1e-3, 2e-2) and p.max_abs > 1e-4, p
+    strict = validate_model(convert(ref, scheme="tract-cache", bits=8)[0], ref, src,  # --parity-atol/--parity-rtol
+                            ValidateOptions(contexts=[120], eval_tokens=16, parity_atol=1e-6, parity_rtol=0.0))
+    assert strict.parity.status == "mismatch" and (strict.parity.atol, strict.parity.rtol) == (1e-6, 0.0)
+    assert not strict.ok and "tract parity" in {c.name for c in strict.checks if not c.ok}
