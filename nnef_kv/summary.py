@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 
@@ -21,32 +21,6 @@ KV_OPS = {
     "nnef_kv_kivi_sdpa": "nnef-kv KIVI cache (1..8 bits) + attention",
 }
 
-
-def walk_invocations(expr: Any) -> Iterator[ast.Invocation]:
-    """Every invocation inside an expression, outermost first."""
-    stack = [expr]
-    while stack:
-        e = stack.pop()
-        if isinstance(e, ast.Invocation):
-            yield e
-            stack.extend(a.value for a in reversed(e.args))
-        elif isinstance(e, (ast.ArrayExpr, ast.TupleExpr)):
-            stack.extend(reversed(e.items))
-        elif isinstance(e, ast.UnaryExpr):
-            stack.append(e.operand)
-        elif isinstance(e, ast.BinaryExpr):
-            stack.extend((e.right, e.left))
-        elif isinstance(e, ast.IfElseExpr):
-            stack.extend((e.else_value, e.then_value, e.condition))
-        elif isinstance(e, ast.Subscript):
-            stack.extend((e.index, e.base))
-        elif isinstance(e, ast.SliceExpr):
-            stack.extend(x for x in (e.end, e.begin, e.base) if x is not None)
-        elif isinstance(e, ast.Comprehension):
-            stack.append(e.body)
-            if e.condition is not None:
-                stack.append(e.condition)
-            stack.extend(it.iterable for it in e.iterators)
 
 
 def _lhs_names(lhs: Any) -> list[str]:
@@ -126,7 +100,7 @@ def summarize(model: Any) -> Summary:
     if g is not None:
         for stmt in g.body:
             names = _lhs_names(stmt.lhs)
-            for inv in walk_invocations(stmt.rhs):
+            for inv in ast.invocations(stmt.rhs):
                 counts[inv.name] += 1
                 if inv.name in KV_OPS:
                     settings = ", ".join(

@@ -171,7 +171,6 @@ def test_bool_8_bits_and_1_bit():
         assert v.dtype == np.bool_ and np.array_equal(v, a)
         assert encode_tensor(v, info) == raw
     # tract accepts one spare byte when the bits fill whole bytes; kept on rewrite
-    b = np.ones(8, dtype=bool)
     raw = _header(length=2, shape=(8,), bits=1, code=5) + b"\xff\x00"
     v, info = decode_tensor(raw)
     assert v.all() and encode_tensor(v, info) == raw

@@ -111,7 +111,6 @@ def test_runs_and_matches_its_references(export) -> None:
 
 @pytest.mark.parametrize("scheme,bits", [("kivi", 8), ("kivi", 4), ("tract", 8), ("tract-cache", 8)])
 def test_converts_and_the_conversion_runs(export, scheme, bits) -> None:
-    d = export["dir"]
     try:
         model, report = convert(export["model"], scheme=scheme, bits=bits, key_group=4, value_group=16, residual=4)
     except ConversionError as exc:

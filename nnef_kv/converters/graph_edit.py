@@ -13,13 +13,14 @@ and their readers, which changes no value.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, fields, is_dataclass, replace
-from typing import Any, Iterable, Iterator
+from dataclasses import dataclass, is_dataclass, replace
+from typing import Any, Iterable
 
 import numpy as np
 
 from ..errors import ConversionError
 from ..grammar import ast as A
+from ..grammar.ast import identifiers, rename
 
 #: Parameter order of the ops the passes look into (positional arguments are matched against it).
 PARAMS: dict[str, tuple[str, ...]] = {
@@ -102,42 +103,6 @@ def invocation(op: str, *positional: Any, generic: A.TypeSpec | None = None, **n
     args = [A.Argument(None, lit(v)) for v in positional]
     args += [A.Argument(k, lit(v)) for k, v in named.items()]
     return A.Invocation(op, generic, tuple(args))
-
-
-def identifiers(e: Any) -> Iterator[str]:
-    """Every identifier read by an expression (invocation names excluded)."""
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, A.Identifier):
-            yield x.name
-        elif isinstance(x, A.Invocation):
-            stack.extend(a.value for a in x.args)
-        elif isinstance(x, (tuple, list)):
-            stack.extend(x)
-        elif is_dataclass(x) and not isinstance(x, type):
-            stack.extend(getattr(x, f.name) for f in fields(x) if f.name != "pos")
-
-
-def rename(e: Any, mapping: dict[str, str]) -> Any:
-    """``e`` with identifiers renamed by ``mapping`` (invocation names untouched)."""
-    if not mapping:
-        return e
-    if isinstance(e, A.Identifier):
-        return A.Identifier(mapping[e.name], pos=e.pos) if e.name in mapping else e
-    if isinstance(e, tuple):
-        return tuple(rename(x, mapping) for x in e)
-    if is_dataclass(e) and not isinstance(e, type):
-        changes = {}
-        for f in fields(e):
-            if f.name == "pos":
-                continue
-            v = getattr(e, f.name)
-            nv = rename(v, mapping)
-            if nv is not v:
-                changes[f.name] = nv
-        return replace(e, **changes) if changes else e
-    return e
 
 
 def lhs_names(lhs: A.Expr) -> list[str]:
@@ -508,17 +473,8 @@ _UNARY_OPS = {"-": "neg", "!": "not"}
 
 def _substitute(e: Any, bound: dict[str, A.Expr], mapping: dict[str, str]) -> Any:
     """``e`` with fragment parameters replaced by their arguments and locals renamed."""
-    if isinstance(e, A.Identifier):
-        if e.name in bound:
-            return bound[e.name]
-        return replace(e, name=mapping.get(e.name, e.name))
-    if isinstance(e, tuple):
-        return tuple(_substitute(x, bound, mapping) for x in e)
-    if hasattr(e, "__dataclass_fields__") and not isinstance(e, (A.StringLiteral, A.IntegerLiteral, A.ScalarLiteral,
-                                                                    A.LogicalLiteral)):
-        changes = {f: _substitute(getattr(e, f), bound, mapping) for f in e.__dataclass_fields__ if f != "pos"}
-        return replace(e, **changes)
-    return e
+    return A.map_leaves(e, lambda x: bound[x.name] if x.name in bound else
+                        (replace(x, name=mapping[x.name]) if x.name in mapping else x))
 
 
 def _flatten(lhs: A.Expr, rhs: A.Expr, taken: set[str], fresh) -> list[A.Assignment]:

@@ -300,16 +300,7 @@ def _positions_statements(name: str, rank: int, p: str, s: str) -> list[A.Assign
 
 def _substitute(e: Any, table: dict[int, A.Expr]) -> Any:
     """Integer literals found in ``table`` replaced by symbol expressions."""
-    from dataclasses import fields, is_dataclass, replace
-
-    if isinstance(e, A.IntegerLiteral):
-        return table.get(e.value, e)
-    if isinstance(e, tuple):
-        return tuple(_substitute(x, table) for x in e)
-    if is_dataclass(e) and not isinstance(e, type):
-        ch = {f.name: _substitute(getattr(e, f.name), table) for f in fields(e) if f.name != "pos"}
-        return replace(e, **ch)
-    return e
+    return A.map_leaves(e, lambda lit: table.get(lit.value, lit), (A.IntegerLiteral,))
 
 
 def onnx_to_nnef(source: str | os.PathLike | Any, work_dir: str | os.PathLike | None = None,

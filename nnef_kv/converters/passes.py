@@ -193,27 +193,12 @@ class NormalizePass:
 def _holds_softmax(frag: A.FragmentDecl, doc: A.Document, depth: int = 0) -> bool:
     inner = {f.name: f for f in doc.fragments if f.body is not None}
     for st in frag.body or ():
-        for inv in _invocations(st.rhs):
+        for inv in A.invocations(st.rhs):
             if inv.name == "softmax":
                 return True
             if inv.name in inner and depth < 8 and _holds_softmax(inner[inv.name], doc, depth + 1):
                 return True
     return False
-
-
-def _invocations(e: Any):
-    if isinstance(e, A.Invocation):
-        yield e
-        for a in e.args:
-            yield from _invocations(a.value)
-    elif isinstance(e, (A.BinaryExpr,)):
-        yield from _invocations(e.left)
-        yield from _invocations(e.right)
-    elif isinstance(e, A.UnaryExpr):
-        yield from _invocations(e.operand)
-    elif isinstance(e, (A.ArrayExpr, A.TupleExpr)):
-        for x in e.items:
-            yield from _invocations(x)
 
 
 def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:

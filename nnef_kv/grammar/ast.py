@@ -14,8 +14,8 @@ Conventions
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Union
+from dataclasses import dataclass, field, fields, is_dataclass, replace
+from typing import Any, Callable, Iterator, Union
 
 
 @dataclass(frozen=True)
@@ -347,3 +347,98 @@ class QuantDocument:
 
     def by_tensor(self) -> dict[str, QuantEntry]:
         return {e.tensor: e for e in self.entries}
+
+
+# ----------------------------------------------------------------------------------------------
+# Traversal: the one walker of the project
+# ----------------------------------------------------------------------------------------------
+#: the expression node types (what nests inside a right-hand side)
+EXPR_TYPES = (IntegerLiteral, ScalarLiteral, LogicalLiteral, StringLiteral, Identifier, ArrayExpr, TupleExpr,
+              UnaryExpr, BinaryExpr, IfElseExpr, Comprehension, Subscript, SliceExpr, Invocation)
+
+_CHILDREN = {
+    ArrayExpr: lambda e: e.items,
+    TupleExpr: lambda e: e.items,
+    UnaryExpr: lambda e: (e.operand,),
+    BinaryExpr: lambda e: (e.left, e.right),
+    IfElseExpr: lambda e: (e.condition, e.then_value, e.else_value),
+    Comprehension: lambda e: tuple(x for it in e.iterators for x in (it.target, it.iterable))
+    + ((e.condition,) if e.condition is not None else ()) + (e.body,),
+    Subscript: lambda e: (e.base, e.index),
+    SliceExpr: lambda e: tuple(x for x in (e.base, e.begin, e.end) if x is not None),
+    Invocation: lambda e: tuple(a.value for a in e.args),
+    Assignment: lambda a: (a.lhs, a.rhs),
+    Param: lambda p: (p.default,) if p.default is not None else (),
+    FragmentDecl: lambda f: tuple(f.params) + tuple(f.body or ()),
+    GraphDecl: lambda g: tuple(g.body),
+    Document: lambda d: tuple(d.fragments) + ((d.graph,) if d.graph is not None else ()),
+    QuantEntry: lambda e: tuple(a.value for a in e.args),
+    QuantDocument: lambda d: tuple(d.entries),
+    tuple: lambda t: t,
+    list: lambda t: tuple(t),
+}
+
+
+def children(node: Any) -> tuple:
+    """The direct sub-nodes of an AST node, in source order: an invocation's argument values, an
+    assignment's sides, a declaration's parameters and statements, a document's fragments and graph
+    (literals, identifiers and types have none; a tuple or list of nodes has its items)."""
+    get = _CHILDREN.get(type(node))
+    return get(node) if get is not None else ()
+
+
+def walk(node: Any) -> Iterator[Any]:
+    """Every node under ``node`` (itself included), depth first, outermost first, in source order."""
+    stack = [node]
+    while stack:
+        n = stack.pop()
+        yield n
+        ch = children(n)
+        if ch:
+            stack.extend(reversed(ch))
+
+
+def identifiers(node: Any) -> Iterator[str]:
+    """The name of every identifier under ``node`` (invocation names are not identifiers)."""
+    for n in walk(node):
+        if type(n) is Identifier:
+            yield n.name
+
+
+def invocations(node: Any) -> Iterator[Invocation]:
+    """Every invocation under ``node``, outermost first."""
+    for n in walk(node):
+        if type(n) is Invocation:
+            yield n
+
+
+def map_leaves(node: Any, fn: Callable[[Any], Any], kinds: tuple[type, ...] = (Identifier,)) -> Any:
+    """``node`` with every leaf ``x`` of a type in ``kinds`` (identifiers by default, or literals)
+    replaced by ``fn(x)`` (an expression; ``x`` itself keeps the leaf), rebuilt only where something
+    changed."""
+    if type(node) in kinds:
+        return fn(node)
+    if isinstance(node, tuple):
+        items = tuple(map_leaves(x, fn, kinds) for x in node)
+        return node if all(a is b for a, b in zip(items, node)) else items
+    if is_dataclass(node) and not isinstance(node, type) and type(node) not in _LEAVES:
+        changes = {}
+        for f in fields(node):
+            if f.name == "pos":
+                continue
+            v = getattr(node, f.name)
+            nv = map_leaves(v, fn, kinds)
+            if nv is not v:
+                changes[f.name] = nv
+        return replace(node, **changes) if changes else node
+    return node
+
+
+_LEAVES = frozenset({IntegerLiteral, ScalarLiteral, LogicalLiteral, StringLiteral, Identifier, Pos})
+
+
+def rename(node: Any, mapping: dict[str, str]) -> Any:
+    """``node`` with identifiers renamed by ``mapping`` (invocation names untouched)."""
+    if not mapping:
+        return node
+    return map_leaves(node, lambda x: replace(x, name=mapping[x.name]) if x.name in mapping else x)

@@ -50,7 +50,7 @@ from .ast import (
     ScalarLiteral,
     StringLiteral,
 )
-from .parser import _TooDeep, _lark, _set_ctx, _too_deep, check_depth, run_lark, syntax_error
+from .lark_driver import _TooDeep, _lark, _set_ctx, _too_deep, check_depth, run_lark, syntax_error
 
 _IDENT = r"[A-Za-z_][A-Za-z0-9_]*"
 _NUM = r"-?[0-9]+(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?"

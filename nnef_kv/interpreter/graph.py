@@ -276,21 +276,6 @@ class _RunBudget(threading.local):
 _RUN_BUDGET = _RunBudget()
 
 
-def _identifiers(e: Any) -> set[str]:
-    """Every identifier name occurring in an expression."""
-    out: set[str] = set()
-    stack = [e]
-    while stack:
-        x = stack.pop()
-        if isinstance(x, A.Identifier):
-            out.add(x.name)
-        elif isinstance(x, (list, tuple)):
-            stack.extend(x)
-        elif hasattr(x, "__dataclass_fields__"):
-            stack.extend(getattr(x, f) for f in x.__dataclass_fields__ if f != "pos")
-    return out
-
-
 def _is_tensor_type(t: A.TypeSpec | None) -> bool:
     return isinstance(t, A.TensorType)
 
@@ -640,7 +625,7 @@ class GraphBuilder:
         v = self._attr(e, ctx, None)
         if v is DYN:
             # snapshot the names used: later assignments may shadow them (tract allows reassignment)
-            snap = _Ctx({n: ctx.scope[n] for n in _identifiers(e) if n in ctx.scope}, ctx.prefix, ctx.depth)
+            snap = _Ctx({n: ctx.scope[n] for n in set(A.identifiers(e)) if n in ctx.scope}, ctx.prefix, ctx.depth)
             snap.memo = ctx.memo
             slow = (lambda vals, e=e, c=snap: self._attr_at_run(e, c, vals))
             fast = self._compile_int(e, snap)

@@ -18,9 +18,9 @@ still fits the value, so an untouched tensor is written back byte for byte.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ArchiveError
 from ..grammar import ast
@@ -92,7 +92,7 @@ class Model:
         doc = self.document
         bodies = [f.body for f in doc.fragments if f.body] + ([doc.graph.body] if doc.graph else [])
         for body in bodies:
-            for inv in _invocations(body):
+            for inv in ast.invocations(body):
                 if inv.name != "variable":
                     continue
                 label = _label_of(inv)
@@ -138,19 +138,6 @@ class Model:
 # ----------------------------------------------------------------------------------------------
 # AST walking
 # ----------------------------------------------------------------------------------------------
-def _invocations(node: Any) -> Iterator[ast.Invocation]:
-    stack = [node]
-    while stack:
-        n = stack.pop()
-        if isinstance(n, (tuple, list)):
-            stack.extend(reversed(n))
-        elif isinstance(n, ast.Invocation):
-            yield n
-            stack.extend(reversed([a.value for a in n.args]))
-        elif is_dataclass(n) and not isinstance(n, type):
-            stack.extend(reversed([getattr(n, f.name) for f in fields(n) if f.name != "pos"]))
-
-
 def _label_of(inv: ast.Invocation) -> str | None:
     named = inv.named()
     value = named.get("label")

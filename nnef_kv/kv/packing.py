@@ -354,7 +354,7 @@ class GroupCodec:
             g = self.group
 
             def unpack_split(packed: np.ndarray, out: np.ndarray) -> np.ndarray:
-                lead, (rows, nb) = packed.shape[:-2], packed.shape[-2:]
+                rows, nb = packed.shape[-2:]
                 if nb != self.row_bytes or rows % g or out.shape[-1] != self.n:
                     raise ValueError(f"packed codes of shape {packed.shape} are not whole groups of {g} rows "
                                      f"of {self.row_bytes} bytes")

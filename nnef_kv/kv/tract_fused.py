@@ -113,7 +113,7 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
     # ----------------------------------------------------------------------------- reads
     def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
         """The whole cache as tract reads it: K, V ``[B, Hkv, T, D]`` f32."""
-        n, t, d = self.b * self.hkv, self.len, self.d
+        t, d = self.len, self.d
         kc = self.k_codes.view().astype(np.float32)
         k = self.ch_lo[:, None, :] + kc * self.ch_step[:, None, :]
         vp = self.v_params.view()
