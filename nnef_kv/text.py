@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from .errors import InputError
+from .grammar.printer import short
 
 __all__ = ["TOKENIZER_FILE", "find_tokenizer", "load_tokenizer", "read_text", "read_ids", "TokenSource",
            "token_source", "byte_level_tokenizer", "sample_text", "SAMPLE_TEXT", "decode_stream"]
@@ -68,18 +69,13 @@ def load_tokenizer(path: str | os.PathLike, what: str = "--tokenizer") -> Any:
         raw = p.read_bytes()
         doc = json.loads(raw.decode("utf-8"))
     except (OSError, UnicodeDecodeError, ValueError) as exc:
-        raise InputError(f"{what} {p}: not a readable tokenizer JSON file ({_short(exc)})") from None
+        raise InputError(f"{what} {p}: not a readable tokenizer JSON file ({short(exc, 160)})") from None
     if not isinstance(doc, dict) or "model" not in doc:
         raise InputError(f"{what} {p}: a JSON file but not a Hugging Face tokenizer (no 'model' entry)")
     try:
         return Tokenizer.from_str(raw.decode("utf-8"))
     except Exception as exc:  # noqa: BLE001 - tokenizers raises plain Exceptions
-        raise InputError(f"{what} {p}: not a valid tokenizer ({_short(exc)})") from None
-
-
-def _short(exc: BaseException, n: int = 160) -> str:
-    text = " ".join(str(exc).split())
-    return text if len(text) <= n else text[:n] + "..."
+        raise InputError(f"{what} {p}: not a valid tokenizer ({short(exc, 160)})") from None
 
 
 def read_text(path: str | os.PathLike, what: str = "--text") -> str:
@@ -115,7 +111,7 @@ def read_ids(path: str | os.PathLike, what: str = "--ids") -> list[int]:
         try:
             a = np.load(p, allow_pickle=False)
         except (OSError, ValueError) as exc:
-            raise InputError(f"{what} {path}: not a readable .npy file ({_short(exc)})") from None
+            raise InputError(f"{what} {path}: not a readable .npy file ({short(exc, 160)})") from None
         if a.dtype.kind not in "iu" or not (a.ndim == 1 or (a.ndim == 2 and a.shape[0] == 1)):
             raise InputError(f"{what} {path}: expected integer ids of shape [N] or [1, N], got {a.dtype} "
                              f"{list(a.shape)}")
@@ -209,7 +205,7 @@ def token_source(*, text: str | os.PathLike | None = None, prompt: str | None = 
     try:
         enc = tokenizer.encode(body).ids
     except Exception as exc:  # noqa: BLE001
-        raise InputError(f"{label}: the tokenizer failed on it ({_short(exc)})") from None
+        raise InputError(f"{label}: the tokenizer failed on it ({short(exc, 160)})") from None
     if not enc:
         raise InputError(f"{label}: the tokenizer gives no tokens for it")
     desc = f"{len(enc)} tokens of {label if kind == 'text' else 'the prompt'} ({len(body)} characters)"

@@ -217,3 +217,69 @@ def dump_quant(doc: A.QuantDocument) -> str:
         args = ", ".join(f"{a.name} = {_quant_value(a.value)}" for a in e.args)
         lines.append(f"{key}: {e.op}({args});")
     return "\n".join(lines) + ("\n" if lines else "")
+
+
+# ----------------------------------------------------------------------------------------------
+# Short renderings for messages (not NNEF to parse back: ``dump_expr`` is)
+# ----------------------------------------------------------------------------------------------
+def one_line(x: Any) -> str:
+    """``str(x)`` with every run of white space one space."""
+    return " ".join(str(x).split())
+
+
+def short(text: Any, limit: int = 120) -> str:
+    """``text`` on one line, cut to ``limit`` characters with ``...`` (messages quoting user values)."""
+    text = one_line(text)
+    return text if len(text) <= limit else text[:limit - 3] + "..."
+
+
+def expr_text(e: Any) -> str:
+    """Compact NNEF-like rendering of an expression (messages, symbolic attributes for state factories)."""
+    if isinstance(e, (A.IntegerLiteral, A.ScalarLiteral)):
+        return repr(e.value)
+    if isinstance(e, A.LogicalLiteral):
+        return "true" if e.value else "false"
+    if isinstance(e, A.StringLiteral):
+        return repr(e.value)
+    if isinstance(e, A.Identifier):
+        return e.name
+    if isinstance(e, A.ArrayExpr):
+        return "[" + ", ".join(expr_text(i) for i in e.items) + "]"
+    if isinstance(e, A.TupleExpr):
+        return "(" + ", ".join(expr_text(i) for i in e.items) + ")"
+    if isinstance(e, A.UnaryExpr):
+        return f"{e.op}{expr_text(e.operand)}"
+    if isinstance(e, A.BinaryExpr):
+        return f"{expr_text(e.left)} {e.op} {expr_text(e.right)}"
+    if isinstance(e, A.Invocation):
+        return f"{e.name}(" + ", ".join(
+            (f"{a.name} = " if a.name else "") + expr_text(a.value) for a in e.args) + ")"
+    return type(e).__name__
+
+
+def message_text(e: Any) -> str:
+    """``expr_text`` for messages: also renders subscripts, slices, conditionals and comprehensions; one
+    line, cut to a readable length."""
+    def t(x: Any) -> str:
+        if x is None:
+            return ""
+        if isinstance(x, A.Subscript):
+            return f"{t(x.base)}[{t(x.index)}]"
+        if isinstance(x, A.SliceExpr):
+            return f"{t(x.base)}[{t(x.begin)}:{t(x.end)}]"
+        if isinstance(x, A.IfElseExpr):
+            return f"{t(x.then_value)} if {t(x.condition)} else {t(x.else_value)}"
+        if isinstance(x, A.Comprehension):
+            its = ", ".join(f"{t(i.target)} in {t(i.iterable)}" for i in x.iterators)
+            cond = f" if {t(x.condition)}" if x.condition is not None else ""
+            return f"[for {its}{cond} yield {t(x.body)}]"
+        if isinstance(x, A.UnaryExpr):
+            return f"{x.op}{t(x.operand)}"
+        if isinstance(x, A.BinaryExpr):
+            return f"{t(x.left)} {x.op} {t(x.right)}"
+        if isinstance(x, (A.ArrayExpr, A.TupleExpr)):
+            inner = ", ".join(t(i) for i in x.items)
+            return f"[{inner}]" if isinstance(x, A.ArrayExpr) else f"({inner})"
+        return expr_text(x)
+
+    return short(t(e), 200)

@@ -26,6 +26,7 @@ import numpy as np
 
 from ..errors import GraphError, LimitError, NnefKvError, UnknownOpError
 from ..grammar import ast as A
+from ..grammar.printer import expr_text, message_text, one_line as _one_line, short as _short
 from ..limits import Limits, current_limits
 from .dtypes import NNEF_TYPES, dtype_of
 from .registry import Primitive, lookup
@@ -102,16 +103,6 @@ def literal_array(value: Any, where: str = "") -> np.ndarray:
         else:
             raise GraphError(f"{where}cannot use {_short(repr(value))} as a tensor")
     return arr
-
-
-def _one_line(x: Any) -> str:
-    return " ".join(str(x).split())
-
-
-def _short(text: str, n: int = 120) -> str:
-    """``text`` on one line, cut to about ``n`` characters (messages quoting user values)."""
-    text = _one_line(text)
-    return text if len(text) <= n else text[: n - 3] + "..."
 
 
 # ------------------------------------------------------------------------------------------------
@@ -201,58 +192,6 @@ _PY_BINARY: dict[str, Callable[[Any, Any], Any]] = {
     "&&": lambda a, b: bool(a) and bool(b), "||": lambda a, b: bool(a) or bool(b),
     "in": lambda a, b: a in b,
 }
-
-
-def expr_text(e: Any) -> str:
-    """Compact NNEF-like rendering of an expression (messages, symbolic attributes for state factories)."""
-    if isinstance(e, (A.IntegerLiteral, A.ScalarLiteral)):
-        return repr(e.value)
-    if isinstance(e, A.LogicalLiteral):
-        return "true" if e.value else "false"
-    if isinstance(e, A.StringLiteral):
-        return repr(e.value)
-    if isinstance(e, A.Identifier):
-        return e.name
-    if isinstance(e, A.ArrayExpr):
-        return "[" + ", ".join(expr_text(i) for i in e.items) + "]"
-    if isinstance(e, A.TupleExpr):
-        return "(" + ", ".join(expr_text(i) for i in e.items) + ")"
-    if isinstance(e, A.UnaryExpr):
-        return f"{e.op}{expr_text(e.operand)}"
-    if isinstance(e, A.BinaryExpr):
-        return f"{expr_text(e.left)} {e.op} {expr_text(e.right)}"
-    if isinstance(e, A.Invocation):
-        return f"{e.name}(" + ", ".join(
-            (f"{a.name} = " if a.name else "") + expr_text(a.value) for a in e.args) + ")"
-    return type(e).__name__
-
-
-def _msg_text(e: Any) -> str:
-    """``expr_text`` for messages: also renders subscripts, slices, conditionals and comprehensions; one
-    line, cut to a readable length."""
-    def t(x: Any) -> str:
-        if x is None:
-            return ""
-        if isinstance(x, A.Subscript):
-            return f"{t(x.base)}[{t(x.index)}]"
-        if isinstance(x, A.SliceExpr):
-            return f"{t(x.base)}[{t(x.begin)}:{t(x.end)}]"
-        if isinstance(x, A.IfElseExpr):
-            return f"{t(x.then_value)} if {t(x.condition)} else {t(x.else_value)}"
-        if isinstance(x, A.Comprehension):
-            its = ", ".join(f"{t(i.target)} in {t(i.iterable)}" for i in x.iterators)
-            cond = f" if {t(x.condition)}" if x.condition is not None else ""
-            return f"[for {its}{cond} yield {t(x.body)}]"
-        if isinstance(x, A.UnaryExpr):
-            return f"{x.op}{t(x.operand)}"
-        if isinstance(x, A.BinaryExpr):
-            return f"{t(x.left)} {x.op} {t(x.right)}"
-        if isinstance(x, (A.ArrayExpr, A.TupleExpr)):
-            inner = ", ".join(t(i) for i in x.items)
-            return f"[{inner}]" if isinstance(x, A.ArrayExpr) else f"({inner})"
-        return expr_text(x)
-
-    return _short(t(e), 200)
 
 
 #: exceptions of Python's own evaluation of an attribute expression (ill-typed operands, bad indices ...),
@@ -753,7 +692,7 @@ class GraphBuilder:
         except NnefKvError:
             raise
         except _EVAL_ERRORS as exc:
-            raise GraphError(f"{self.loc(getattr(e, 'pos', None))}: cannot evaluate {_msg_text(e)}: "
+            raise GraphError(f"{self.loc(getattr(e, 'pos', None))}: cannot evaluate {message_text(e)}: "
                              f"{_short(f'{type(exc).__name__}: {exc}', 160)}") from None
 
     def _spend(self, n: int, e: A.Expr, vals: list | None, what: str) -> None:
@@ -761,7 +700,7 @@ class GraphBuilder:
         concatenation): refused with LimitError if ``n`` alone, or the total of the document build (of this
         run's evaluation, at run time), exceeds ``max_comprehension_items``."""
         limit = self.limits.max_comprehension_items
-        where = f"{self.loc(getattr(e, 'pos', None))}: {_msg_text(e)}"
+        where = f"{self.loc(getattr(e, 'pos', None))}: {message_text(e)}"
         if n > limit:
             raise LimitError(f"{where}: {what} of {n} items, over max_comprehension_items={limit}")
         if vals is None:
@@ -787,15 +726,15 @@ class GraphBuilder:
             self._spend(len(a) + len(b), e, vals, "a concatenation")
         elif op == "^" and _is_int(a) and _is_int(b) and abs(a) > 1 and b > MAX_INT_BITS:
             # |a| >= 2: the result needs more than b bits (checked before Python computes it, unboundedly)
-            raise GraphError(f"{self.loc(e.pos)}: {_msg_text(e)} does not fit in {MAX_INT_BITS} bits")
+            raise GraphError(f"{self.loc(e.pos)}: {message_text(e)} does not fit in {MAX_INT_BITS} bits")
         try:
             r = _PY_BINARY[op](a, b)
         except NnefKvError:
             raise
         except Exception as exc:
-            raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {_msg_text(e)}: {_short(str(exc), 160)}") from None
+            raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {message_text(e)}: {_short(str(exc), 160)}") from None
         if _is_int(r) and r.bit_length() > MAX_INT_BITS:
-            raise GraphError(f"{self.loc(e.pos)}: {_msg_text(e)} does not fit in {MAX_INT_BITS} bits")
+            raise GraphError(f"{self.loc(e.pos)}: {message_text(e)} does not fit in {MAX_INT_BITS} bits")
         return r
 
     def _attr_eval(self, e: A.Expr, ctx: _Ctx, vals: list | None) -> Any:
@@ -842,7 +781,7 @@ class GraphBuilder:
             try:
                 return base[idx]
             except Exception as exc:
-                raise GraphError(f"{self.loc(e.pos)}: bad subscript {_msg_text(e)}: {_short(str(exc), 160)}") from None
+                raise GraphError(f"{self.loc(e.pos)}: bad subscript {message_text(e)}: {_short(str(exc), 160)}") from None
         if isinstance(e, A.SliceExpr):
             base = self._attr(e.base, ctx, vals)
             lo = self._attr(e.begin, ctx, vals) if e.begin is not None else None
@@ -850,7 +789,7 @@ class GraphBuilder:
             if any(x is DYN for x in (base, lo, hi)):
                 return DYN
             if not isinstance(base, (list, tuple, str)) or not all(x is None or _is_int(x) for x in (lo, hi)):
-                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate the slice {_msg_text(e)}: an array or string "
+                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate the slice {message_text(e)}: an array or string "
                                  f"sliced by integers is expected")
             return base[lo:hi]
         if isinstance(e, A.Comprehension):
@@ -863,7 +802,7 @@ class GraphBuilder:
                 if len(args) != 1:
                     raise GraphError(f"{self.loc(e.pos)}: {e.name} takes one argument")
                 if e.name in ("length_of", "range_of") and not isinstance(args[0], (list, tuple, str)):
-                    raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {_msg_text(e)}: {e.name} takes an array "
+                    raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {message_text(e)}: {e.name} takes an array "
                                      f"or a string, got {_short(repr(args[0]), 60)}")
                 if e.name == "range_of":
                     self._spend(len(args[0]), e, vals, "a range")
@@ -892,7 +831,7 @@ class GraphBuilder:
             return DYN
         for it, seq in zip(e.iterators, iters):
             if not isinstance(seq, (list, tuple)):
-                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {_msg_text(e)}: {_msg_text(it.iterable)} is "
+                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {message_text(e)}: {message_text(it.iterable)} is "
                                  f"not an array ({_short(repr(seq), 60)})")
         n = len(iters[0]) if iters else 0
         self._spend(n, e, vals, "a comprehension")
@@ -922,7 +861,7 @@ class GraphBuilder:
         elif isinstance(target, (A.TupleExpr, A.ArrayExpr)):
             if not isinstance(value, (list, tuple)) or len(value) != len(target.items):
                 raise GraphError(f"{self.loc(getattr(target, 'pos', None))}: cannot unpack {_short(repr(value), 60)} "
-                                 f"into {_msg_text(target)}")
+                                 f"into {message_text(target)}")
             for t, v in zip(target.items, value):
                 self._bind_static(t, v, ctx)
 
