@@ -10,6 +10,17 @@ from pathlib import Path
 from typing import BinaryIO, Iterator
 
 
+def default_mode(base: int = 0o666) -> int:
+    """``base`` minus the process umask: the mode ``open()`` would give a new file.
+
+    Temporary files of :mod:`nnef_kv.atomic` are created 0600 (folders 0700); the outputs get
+    the usual permissions instead.
+    """
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return base & ~mask
+
+
 @contextlib.contextmanager
 def atomic_write(path: str | os.PathLike, mode: str = "wb") -> Iterator[BinaryIO]:
     """``with atomic_write(p) as f: f.write(...)`` -- ``p`` appears only complete."""

@@ -258,7 +258,7 @@ def test_compiled_attributes_match_the_interpreter(seq: int) -> None:
 
 def run_both(monkeypatch: pytest.MonkeyPatch, text: str, inputs: dict[str, np.ndarray]) -> None:
     """The same outputs, or the same error message, with attribute compilation on and off."""
-    from nnef_kv.interpreter.graph import GraphBuilder
+    from nnef_kv.interpreter.builder import GraphBuilder
 
     def attempt() -> Any:
         model = DocumentModel(nnef_kv.parse(text, filename="t/graph.nnef"), {}, source="t")

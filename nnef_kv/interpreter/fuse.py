@@ -15,7 +15,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .graph import Graph, Lazy, Node, slots_of
+from .graph import Graph, Node, slots_of
+from .values import Lazy
 from .ops import tract_core as C
 
 Kernel = Callable[..., Any]

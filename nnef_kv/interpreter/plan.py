@@ -32,7 +32,8 @@ from typing import Any, Callable
 import numpy as np
 
 from ..errors import GraphError, InputError, NnefKvError, NnefSyntaxError
-from .graph import Graph, InputSpec, Lazy, Node
+from .graph import Graph, InputSpec, Node
+from .values import Lazy
 from .graph import slots_of as _slots_of
 from .parallel import SPLITTER, split_matmul
 from .fuse import fused_node, fused_product, fusion_pairs

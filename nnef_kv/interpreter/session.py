@@ -50,7 +50,7 @@ def _submodel_loader(model: Any) -> Any:
     def load_sub(label: str) -> Any:
         from .. import load
 
-        from .graph import _plain_label
+        from .builder import _plain_label
 
         if not isinstance(label, str) or not _plain_label(label):  # resolved below as Path(source) / label
             raise GraphError(f"{getattr(model, 'source', None) or '<model>'}: sub-model label {label!r} is not a "
@@ -90,7 +90,8 @@ def get_plan(model: Any) -> Plan:
     if cached is not None and cached[0] is model.document:
         return cached[1]
     from ..limits import current_limits, using_limits
-    from .graph import GraphBuilder, expr_text
+    from ..grammar.printer import expr_text
+    from .builder import GraphBuilder
 
     source = getattr(model, "source", None)
     filename = f"{source}/graph.nnef" if source else "graph.nnef"

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator, Sequence
 
-from ..atomic import atomic_dir, atomic_write
+from ..atomic import atomic_dir, atomic_write, default_mode
 from ..errors import ArchiveError, LimitError
 from ..limits import Limits, current_limits
 from .dat import HEADER_SIZE
@@ -348,17 +348,6 @@ def write_tar_stream(fileobj: BinaryIO, members: Iterable[tuple[str, Sequence[Bu
         for name, parts in members:
             size = sum(memoryview(p).nbytes for p in parts)
             tf.addfile(_tarinfo(name, size), io.BufferedReader(_PartsReader(parts), buffer_size=1 << 20))
-
-
-def default_mode(base: int = 0o666) -> int:
-    """``base`` minus the process umask: the mode ``open()`` would give a new file.
-
-    Temporary files of :mod:`nnef_kv.atomic` are created 0600 (folders 0700); the outputs get
-    the usual permissions instead.
-    """
-    mask = os.umask(0o022)
-    os.umask(mask)
-    return base & ~mask
 
 
 def write_container(path: str | os.PathLike, members: dict[str, Sequence[Buffer]], kind: str | None = None) -> str:

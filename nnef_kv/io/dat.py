@@ -46,7 +46,7 @@ from typing import BinaryIO, Union
 
 import numpy as np
 
-from ..atomic import atomic_write
+from ..atomic import atomic_write, default_mode
 from ..errors import LimitError, TensorFileError
 from ..limits import Limits, current_limits
 from .blockquant import FORMATS as BLOCK_FORMATS
@@ -512,8 +512,6 @@ def write_tensor(
     if isinstance(target, (str, os.PathLike)):
         name = os.fspath(target)
         parts = encode_parts(value, info, name=name)
-        from .container import default_mode
-
         with atomic_write(target) as f:
             os.fchmod(f.fileno(), default_mode())
             for p in parts:

@@ -1,0 +1,712 @@
+"""AST -> :class:`~.graph.Graph`: the builder walks the graph body once, expanding document fragments
+(which win over registered primitives, as in tract) and resolving every invocation to a registered
+:class:`Primitive` (values: :mod:`.values`; attributes: :mod:`.attrs`; graph.quant: :mod:`.quant`).
+
+Attribute expressions are evaluated at build time when they can be; otherwise the whole expression is
+kept and re-evaluated per run against the run's values (``Lazy``). Nested invocations inside an attribute
+(``begin = [within_bound_index(b, n)]``) become nodes at build time; the run-time evaluation reads their slot.
+``tract_core_scan`` bodies and ``tract_core_submodel`` models become nested graphs (``Node.body``)
+that the planner plans.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import numpy as np
+
+from ..errors import GraphError, LimitError, UnknownOpError
+from ..grammar import ast as A
+from ..grammar.printer import expr_text, short as _short
+from ..limits import Limits, current_limits
+from .attrs import BINARY_OPS, BUILTINS, UNARY_OPS, AttributeEvaluator
+from .dtypes import NNEF_TYPES, dtype_of
+from .graph import Graph, InputSpec, Node
+from .params import ParamInfo, _is_tensor_array, bind_arguments, param_info
+from .quant import QuantMixin, _quant_params
+from .registry import Primitive, lookup
+from .values import LRef, Lazy, TRef, _Ctx, _is_int, literal_array, to_py
+
+SOURCE_OPS = ("external", "tract_core_external", "variable", "constant")
+
+#: tract's binary and unit element-wise operations: their arguments are taken in written order, whatever
+#: their names (``add(x = a, 1.0)`` is ``a + 1.0``; tract ``nnef/src/registry.rs`` ``deserialize``).
+POSITIONAL_OPS = frozenset(
+    "add sub mul div pow eq ne lt gt le ge and or min max exp log sin cos abs neg sign recip tan acos asin atan "
+    "cosh sinh acosh asinh atanh floor ceil round square sqrt rsqrt tanh sigmoid not".split()
+)
+#: operations the builder handles itself (no registry entry needed)
+BUILDER_OPS = SOURCE_OPS + ("tract_core_scan", "tract_core_submodel")
+
+
+class GraphBuilder(AttributeEvaluator, QuantMixin):
+    """Builds a :class:`Graph` from a document, its tensors and its quantization."""
+
+    MAX_DEPTH = 64
+    def __init__(self, document: A.Document, tensors: dict[str, Any] | None = None,
+                 quantization: Any = None, filename: str = "graph.nnef",
+                 submodel: Callable[[str], Any] | None = None) -> None:
+        if document.graph is None:
+            raise GraphError(f"{filename}: the document has no graph")
+        self.doc = document
+        self.tensors = tensors or {}
+        self.filename = filename
+        self.fragments = {f.name: f for f in document.fragments}
+        self.nslots = 0
+        self.constants: dict[int, np.ndarray] = {}
+        self.nodes: list[Node] = []
+        self.inputs: list[InputSpec] = []
+        self.symbols: dict[str, int] = {}
+        self.declared_symbols = {e.argument.strip() for e in document.extensions if e.name == "tract_symbol"}
+        #: the limits in force when the builder is made (session.get_plan builds under the model's limits);
+        #: run-time (Lazy) evaluations apply them too
+        self.limits: Limits = current_limits()
+        #: items produced by attribute expressions (comprehensions, ranges, list repetition/concatenation)
+        #: in the whole build, bounded in total by ``max_comprehension_items``
+        self.items_built = 0
+        #: the top-level statement being built (messages)
+        self.statement: A.Assignment | None = None
+        self.quant: dict[str, tuple[str, dict[str, Any]]] = {}
+        if quantization is not None:
+            for entry in getattr(quantization, "entries", ()):
+                args = {}
+                for k, v in entry.named().items():
+                    args[k] = self._static_literal(v)
+                self.quant[entry.tensor] = (entry.op, args)
+        self.names_used: dict[str, int] = {}
+        self.tensor_names: dict[str, int] = {}
+        self.submodel = submodel  # label -> Model, for tract_core_submodel
+        self.slot_quant: dict[int, dict[str, Any]] = {}  # slots holding graph.quant values -> their params
+        #: the limits in force when the builder was made (session.get_plan builds under the model's limits);
+        #: run-time (Lazy) evaluations apply them too
+
+    # -- slots -------------------------------------------------------------------------------
+
+    def new_slot(self) -> int:
+        self.nslots += 1
+        return self.nslots - 1
+
+    def const(self, arr: np.ndarray) -> TRef:
+        s = self.new_slot()
+        self.constants[s] = arr
+        return TRef(s)
+
+    def loc(self, pos: A.Pos | None) -> str:
+        return f"{self.filename}:{pos.line}:{pos.column}" if pos else self.filename
+
+    def _here(self) -> str:
+        """Where the builder is: the top-level statement being built (or the file)."""
+        st = self.statement
+        return self.loc(st.pos) if st is not None else self.filename
+
+    def unique(self, name: str) -> str:
+        n = self.names_used.get(name, 0)
+        self.names_used[name] = n + 1
+        return name if n == 0 else f"{name}#{n}"
+
+    def symbol(self, name: str) -> Lazy:
+        if name not in self.symbols:
+            self.symbols[name] = self.new_slot()
+        slot = self.symbols[name]
+        return Lazy(lambda v, s=slot: v[s], name, (slot,))
+
+    # -- entry ---------------------------------------------------------------------------------
+
+    def build(self) -> Graph:
+        g = self.doc.graph
+        assert g is not None
+        ctx = _Ctx({}, "", 0)
+        self.graph_inputs = set(g.inputs)
+        for st in g.body:
+            self.statement = st
+            self.assign(st, ctx)
+        self.statement = None
+        outputs: list[tuple[str, int]] = []
+        for name in g.outputs:
+            if name not in ctx.scope:
+                raise GraphError(f"{self.loc(g.pos)}: graph output '{name}' is never assigned")
+            val = ctx.scope[name]
+            ref = self.as_tensor(val, ctx, name)
+            outputs.append((name, ref.slot))
+        by_name = {i.name: i for i in self.inputs}
+        ordered = [by_name[n] for n in g.inputs if n in by_name]
+        missing = [n for n in g.inputs if n not in by_name]
+        if missing:
+            raise GraphError(f"{self.loc(g.pos)}: graph input '{missing[0]}' is not defined by an external")
+        ordered += [i for i in self.inputs if i.name not in g.inputs]
+        return Graph(g.name, self.nslots, self.constants, self.nodes, ordered, outputs, self.symbols,
+                     self.quant, self.filename, self.tensor_names, self._assertions())
+
+    def _assertions(self) -> list[Any]:
+        """The document's ``extension tract_assert`` lines, compiled (see :mod:`.assertions`)."""
+        from .assertions import parse_assertion
+
+        return [parse_assertion(e.argument, self.loc(e.pos)) for e in self.doc.extensions
+                if e.name == "tract_assert"]
+
+    # -- statements ----------------------------------------------------------------------------
+
+    def _lhs_names(self, lhs: A.Expr) -> list[str]:
+        if isinstance(lhs, A.Identifier):
+            return [lhs.name]
+        if isinstance(lhs, (A.TupleExpr, A.ArrayExpr)):
+            out: list[str] = []
+            for i in lhs.items:
+                out += self._lhs_names(i)
+            return out
+        raise GraphError(f"{self.loc(getattr(lhs, 'pos', None))}: cannot assign to {expr_text(lhs)}")
+
+    def assign(self, st: A.Assignment, ctx: _Ctx) -> None:
+        names = self._lhs_names(st.lhs)
+        if isinstance(st.rhs, A.Invocation) and not (
+            st.rhs.name in BUILTINS and st.rhs.name not in self.fragments and lookup(st.rhs.name) is None
+        ):
+            results = self.invoke(st.rhs, ctx, names[0] if names else "_", st.lhs)
+        else:
+            results = [self.tensor_value(st.rhs, ctx, names[0] if names else "_")]
+        if self.quant and ctx.depth == 0 and isinstance(st.lhs, A.Identifier) and len(results) == 1:
+            results = [self._fake_quant(st.lhs.name, results[0], st.rhs, ctx)]
+        self._bind_lhs(st.lhs, results, ctx, st)
+
+    def _bind_lhs(self, lhs: A.Expr, results: list[Any], ctx: _Ctx, st: A.Assignment) -> None:
+        if isinstance(lhs, A.Identifier):
+            ctx.scope[lhs.name] = results[0] if len(results) == 1 else list(results)
+            if ctx.depth == 0 and isinstance(ctx.scope[lhs.name], TRef):
+                # the first assignment names the tensor (as it names the node); later ones are reached by
+                # node name ("x#1")
+                self.tensor_names.setdefault(lhs.name, ctx.scope[lhs.name].slot)
+            return
+        assert isinstance(lhs, (A.TupleExpr, A.ArrayExpr))
+        vals: list[Any]
+        if len(results) == 1 and isinstance(results[0], LRef):  # [a, b, c] = split(...)
+            k = len(lhs.items)
+            outs = self._add_node("<unpack>", _UNPACK_PRIM, [("list", results[0].slot)], {"count": k}, k,
+                                  self._lhs_names(lhs)[0] + ".unpack", st.pos)
+            vals = [TRef(o) for o in outs]
+        elif len(results) == 1 and len(lhs.items) != 1:
+            only = results[0]
+            if isinstance(only, (list, tuple)):
+                vals = list(only)
+            else:
+                raise GraphError(f"{self.loc(st.pos)}: cannot unpack one value into {len(lhs.items)} names")
+        else:
+            vals = results
+        if len(vals) != len(lhs.items):
+            raise GraphError(
+                f"{self.loc(st.pos)}: {len(lhs.items)} names on the left but {len(vals)} results")
+        for item, v in zip(lhs.items, vals):
+            self._bind_lhs(item, [v], ctx, st)
+
+    # -- tensor context --------------------------------------------------------------------------
+
+    def _tensorish(self, e: A.Expr, ctx: _Ctx) -> bool:
+        """Does the expression involve run-time tensors (so operators become nodes)?"""
+        if isinstance(e, A.Identifier):
+            v = ctx.scope.get(e.name)
+            return isinstance(v, (TRef, LRef)) or (isinstance(v, list) and any(isinstance(x, TRef) for x in v))
+        if isinstance(e, A.Invocation):
+            return not (e.name in BUILTINS and e.name not in self.fragments and lookup(e.name) is None)
+        if isinstance(e, A.BinaryExpr):
+            return self._tensorish(e.left, ctx) or self._tensorish(e.right, ctx)
+        if isinstance(e, A.UnaryExpr):
+            return self._tensorish(e.operand, ctx)
+        if isinstance(e, (A.ArrayExpr, A.TupleExpr)):
+            return any(self._tensorish(i, ctx) for i in e.items)
+        if isinstance(e, A.IfElseExpr):
+            return self._tensorish(e.then_value, ctx) or self._tensorish(e.else_value, ctx)
+        return False
+
+    def tensor_value(self, e: A.Expr, ctx: _Ctx, name: str) -> Any:
+        """Evaluate an expression where a tensor may be meant: returns a TRef, a static value, a Lazy or a list."""
+        if isinstance(e, A.Invocation) and id(e) in ctx.memo:
+            return ctx.memo[id(e)]
+        if isinstance(e, A.Identifier):
+            if e.name in ctx.scope:
+                return ctx.scope[e.name]
+            return self.attr(e, ctx)
+        if isinstance(e, A.Invocation) and self._tensorish(e, ctx):
+            res = self.invoke(e, ctx, name, None)
+            return res[0] if len(res) == 1 else list(res)
+        if isinstance(e, A.BinaryExpr) and self._tensorish(e, ctx):
+            op = BINARY_OPS.get(e.op)
+            if op is None:
+                raise GraphError(f"{self.loc(e.pos)}: operator '{e.op}' cannot apply to tensors")
+            return self.call_primitive(op, [self.tensor_value(e.left, ctx, name),
+                                            self.tensor_value(e.right, ctx, name)], {}, ctx, name, e.pos)[0]
+        if isinstance(e, A.UnaryExpr) and self._tensorish(e, ctx):
+            if e.op == "+":
+                return self.tensor_value(e.operand, ctx, name)
+            return self.call_primitive(UNARY_OPS[e.op], [self.tensor_value(e.operand, ctx, name)], {}, ctx,
+                                       name, e.pos)[0]
+        if isinstance(e, (A.ArrayExpr, A.TupleExpr)) and self._tensorish(e, ctx):
+            return [self.tensor_value(i, ctx, name) for i in e.items]
+        if isinstance(e, A.IfElseExpr):
+            cond = self.attr(e.condition, ctx)
+            if isinstance(cond, Lazy):
+                raise GraphError(f"{self.loc(e.pos)}: condition must be known when the graph is built")
+            return self.tensor_value(e.then_value if cond else e.else_value, ctx, name)
+        return self.attr(e, ctx)
+
+    def as_tensor(self, v: Any, ctx: _Ctx, name: str) -> TRef:
+        """A value forced to a tensor slot (literals become constants, Lazy values a per-run node)."""
+        if isinstance(v, TRef):
+            return v
+        if isinstance(v, Lazy):
+            return TRef(self._add_node("<lazy_constant>", _LAZY_PRIM, [], {"value": v}, 1, name, None)[0])
+        if isinstance(v, LRef):
+            raise GraphError(f"'{name}': a list of tensors where one tensor is expected")
+        if isinstance(v, list) and any(isinstance(x, (TRef, Lazy)) for x in v):
+            raise GraphError(f"'{name}': an array of tensors where one tensor is expected")
+        return self.const(literal_array(v, f"{self._here()}: node '{name}': "))
+
+    # -- invocations ---------------------------------------------------------------------------
+
+    def invoke(self, inv: A.Invocation, ctx: _Ctx, name: str, lhs: A.Expr | None) -> list[Any]:
+        """Build an invocation; returns one value per declared result."""
+        qual = ctx.prefix + name
+        frag = self.fragments.get(inv.name)
+        if frag is not None and frag.body is not None:
+            return self._expand(frag, inv, ctx, qual)
+        if inv.name in ("external", "tract_core_external", "variable", "constant") and (
+            frag is None or frag.body is None
+        ):
+            return [self._source(inv, ctx, qual)]
+        if inv.name == "tract_core_scan" and frag is None:
+            return self._scan(inv, ctx, qual)
+        if inv.name == "tract_core_submodel" and frag is None:
+            return self._submodel(inv, ctx, qual)
+        if inv.name == "tract_core_cast" and "to" not in inv.named() and len(inv.args) < 2 and qual in self.quant:
+            # cast to the type graph.quant gives: the fake-quantize node added after it does the work
+            inv = A.Invocation("copy", None, inv.args[:1], pos=inv.pos)
+        prim = lookup(inv.name)
+        if prim is None:
+            raise UnknownOpError(
+                f"{self.loc(inv.pos)}: unknown operation '{inv.name}' (node '{qual}')")
+        params, results = param_info(prim.decl)
+        if inv.name in POSITIONAL_OPS:
+            # tract reads the operands of its binary and unit element-wise ops by position, names ignored
+            bound = {p.name: (inv.args[i].value if i < len(inv.args) else p.default) for i, p in enumerate(params)}
+        else:
+            bound = bind_arguments(inv, params)
+        tensors: list[Any] = []
+        attrs: dict[str, Any] = {}
+        for p in params:
+            e = bound[p.name]
+            if p.kind == "attr":
+                if e is not None:
+                    a = self.attr(e, ctx)
+                    if p.is_array:  # tract accepts a single item where an array is declared
+                        if isinstance(a, Lazy):
+                            a = Lazy(lambda v, f=a.fn: _as_list(f(v)), a.text, a.reads)
+                        else:
+                            a = _as_list(a)
+                    attrs[p.name] = a
+                continue
+            if e is None or (isinstance(e, A.LogicalLiteral) and e.value is False and p.kind == "tensor"
+                             and p.default is e):
+                tensors.append(None)
+                continue
+            v = self.tensor_value(e, ctx, qual)
+            tensors.append(v)
+        return self.call_primitive(inv.name, tensors, attrs, ctx, qual, inv.pos, prim, params, results)
+
+    def call_primitive(self, op: str, tensors: list[Any], attrs: dict[str, Any], ctx: _Ctx, name: str,
+                       pos: A.Pos | None, prim: Primitive | None = None,
+                       params: list[ParamInfo] | None = None, results: list[A.Result] | None = None) -> list[Any]:
+        if prim is None:
+            frag = self.fragments.get(op)
+            if frag is not None and frag.body is not None:  # document fragment named like an operator op
+                inv = A.Invocation(op, None, tuple(A.Argument(None, A.Identifier(f"__arg{i}"))
+                                                   for i in range(len(tensors))), pos=pos)
+                inner = _Ctx({**ctx.scope, **{f"__arg{i}": t for i, t in enumerate(tensors)}}, ctx.prefix, ctx.depth)
+                return self._expand(frag, inv, inner, name)
+            prim = lookup(op)
+            if prim is None:
+                raise UnknownOpError(f"{self.loc(pos)}: unknown operation '{op}' (node '{name}')")
+            params, results = param_info(prim.decl)
+        assert params is not None and results is not None
+        ins: list[Any] = []
+        tparams = [p for p in params if p.kind != "attr"]
+        for p, v in zip(tparams, tensors):
+            if v is None:
+                ins.append(None)
+            elif p.kind == "tensors":
+                if isinstance(v, LRef):
+                    ins.append(("list", v.slot))
+                else:
+                    seq = v if isinstance(v, (list, tuple)) else [v]
+                    ins.append([self.as_tensor(x, ctx, name).slot for x in seq])
+            else:
+                ins.append(self.as_tensor(v, ctx, name).slot)
+        for p in tparams[len(tensors):]:
+            ins.append(None)
+        if self.slot_quant:
+            ins = self._quantized_bias(op, ins)
+        array_result = [_is_tensor_array(r.type) for r in results]
+        outs = self._add_node(op, prim, ins, attrs, len(results), name, pos, array_result)
+        return [LRef(s) if arr else TRef(s) for s, arr in zip(outs, array_result)]
+
+    def _add_node(self, op: str, prim: Primitive, ins: list[Any], attrs: dict[str, Any], nres: int, name: str,
+                  pos: A.Pos | None, array_result: list[bool] | None = None) -> list[int]:
+        outs = [self.new_slot() for _ in range(nres)]
+        spec: list[Any] = []
+        for s, arr in zip(outs, array_result or [False] * nres):
+            spec.append(("list", s) if arr else s)
+        self.nodes.append(Node(self.unique(name), op, prim, ins, attrs, spec, self.loc(pos)))
+        return outs
+
+    def _expand(self, frag: A.FragmentDecl, inv: A.Invocation, ctx: _Ctx, qual: str) -> list[Any]:
+        if ctx.depth >= self.MAX_DEPTH:
+            raise GraphError(f"{self.loc(inv.pos)}: fragment '{frag.name}' nests too deep (recursive?)")
+        params, results = param_info(frag)
+        bound = bind_arguments(inv, params)
+        inner = _Ctx({}, qual + ".", ctx.depth + 1)
+        for p in params:
+            e = bound[p.name]
+            if e is None:
+                raise GraphError(f"{self.loc(inv.pos)}: missing argument '{p.name}' of fragment '{frag.name}'")
+            if p.kind == "attr":
+                v = self.attr(e, ctx) if p.default is not e else self._static_literal(e)
+            else:
+                v = self.tensor_value(e, ctx, qual) if p.default is not e else self._static_literal(e)
+            inner.scope[p.name] = v
+        assert frag.body is not None
+        for st in frag.body:
+            self.assign(st, inner)
+        out = []
+        for r in results:
+            if r.name not in inner.scope:
+                raise GraphError(f"{self.loc(frag.pos)}: fragment '{frag.name}' never assigns result '{r.name}'")
+            out.append(inner.scope[r.name])
+        return out
+
+    # -- tract_core_scan -------------------------------------------------------------------------
+
+    _SCAN_PARAMS = [ParamInfo(n, "attr", None) for n in
+                    ("body", "scan", "full", "state", "output", "skip", "reset_every_turn", "external_state")]
+
+    def _scan(self, inv: A.Invocation, ctx: _Ctx, qual: str) -> list[Any]:
+        """``tract_core_scan``: the body fragment (named by a string) becomes a planned sub-graph run by
+        :class:`~nnef_kv.interpreter.ops.tract_scan.ScanLoop`, a stateful kernel (its hidden state persists
+        across runs, as in tract)."""
+        from .ops.tract_scan import ScanLoop, ScanSpec
+
+        where = f"{self.loc(inv.pos)}: tract_core_scan '{qual}': "
+        bound = bind_arguments(inv, self._SCAN_PARAMS)
+
+        def items(name: str) -> list[A.Expr]:
+            e = bound.get(name)
+            if e is None:
+                return []
+            if not isinstance(e, A.ArrayExpr):
+                raise GraphError(where + f"'{name}' must be an array of tuples")
+            out = []
+            for it in e.items:
+                if not isinstance(it, A.TupleExpr):
+                    raise GraphError(where + f"'{name}' must be an array of tuples")
+                out.append(it.items)
+            return out
+
+        def static(e: A.Expr) -> Any:
+            v = self.attr(e, ctx)
+            if isinstance(v, Lazy):
+                raise GraphError(where + f"{expr_text(e)} must be known when the graph is built")
+            return v
+
+        def tensor(e: A.Expr) -> int:
+            return self.as_tensor(self.tensor_value(e, ctx, qual), ctx, qual).slot
+
+        body_e = bound.get("body")
+        if body_e is None:
+            raise GraphError(where + "no body")
+        body_name = static(body_e)
+        frag = self.fragments.get(body_name)
+        if frag is None or frag.body is None:
+            raise GraphError(where + f"body fragment '{body_name}' is not defined in the document")
+        known = {p.name for p in frag.params} | {r.name for r in frag.results}
+
+        def ident(e: A.Expr) -> str:
+            # tract writes the scan's names with dots ("Y.y_h") where the fragment has "Y_y_h"
+            n = str(static(e))
+            if n in known:
+                return n
+            alt = re.sub(r"[^A-Za-z0-9_]", "_", n)
+            if alt in known:
+                return alt
+            raise GraphError(where + f"body fragment '{body_name}' has no parameter or result '{n}'")
+
+        scan = [(ident(t[0]), tensor(t[1]), int(static(t[2])), int(static(t[3]))) for t in items("scan")]
+        full = [(ident(t[0]), tensor(t[1])) for t in items("full")]
+        state = [(ident(t[0]), tensor(t[1]), ident(t[2])) for t in items("state")]
+        output = [(ident(t[0]), static(t[1]), int(static(t[2])), int(static(t[3]))) for t in items("output")]
+        flags = {k: (static(bound[k]) if bound.get(k) is not None else 0)
+                 for k in ("skip", "reset_every_turn", "external_state")}
+        spec = ScanSpec(
+            scan=tuple((n, a, c) for n, _, a, c in scan),
+            full=tuple(n for n, _ in full),
+            state=tuple((n, r) for n, _, r in state),
+            outputs=tuple(output),
+            skip=int(flags["skip"]),
+            reset_every_turn=bool(flags["reset_every_turn"]),
+            name=f"tract_core_scan '{qual}'",
+        )
+        body = self._body_callable(frag, where)
+        prim = Primitive(
+            signature="fragment tract_core_scan(body: string) -> (outputs: tensor<scalar>[]);",
+            registry="tract_core",
+            state_factory=lambda **_: ScanLoop(spec, body),
+            name="tract_core_scan",
+        )
+        attrs = {"body": body_name, "scan": [(n, a, c) for n, _, a, c in scan], "full": [n for n, _ in full],
+                 "state": [(n, r) for n, _, r in state], "output": output, **flags}
+        ins = [[s for _, s, _, _ in scan], [s for _, s in full], [s for _, s, _ in state]]
+        outs = self._add_node("tract_core_scan", prim, ins, attrs, len(output), qual, inv.pos)
+        return [TRef(o) for o in outs]
+
+    def _body_callable(self, frag: A.FragmentDecl, where: str) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
+        """A document fragment planned as a stand-alone sub-graph: ``body(feed by param) -> results by name``."""
+        from .plan import build_plan
+
+        sub = GraphBuilder(self.doc, self.tensors, None, self.filename)
+        sub.quant = self.quant
+        sub.limits = self.limits
+        sub.items_built = self.items_built  # one budget for the whole document build
+        ctx = _Ctx({}, frag.name + ".", 1)
+        params, results = param_info(frag)
+        in_slots: dict[str, int] = {}
+        for p in params:
+            if p.kind != "tensor":
+                raise GraphError(where + f"body parameter '{p.name}' must be a tensor")
+            slot = sub.new_slot()
+            in_slots[p.name] = slot
+            ctx.scope[p.name] = TRef(slot)
+        assert frag.body is not None
+        for st in frag.body:
+            sub.assign(st, ctx)
+        self.items_built = sub.items_built
+        for r in results:
+            if r.name not in ctx.scope:
+                raise GraphError(where + f"fragment {frag.name}: result {r.name} is never assigned")
+        out_slots = {r.name: sub.as_tensor(ctx.scope[r.name], ctx, r.name).slot for r in results}
+        graph = Graph(frag.name, sub.nslots, sub.constants, sub.nodes, [], list(out_slots.items()), sub.symbols,
+                      self.quant, self.filename)
+        plan = build_plan(graph)
+        if plan.stateful:
+            raise GraphError(where + f"body fragment '{frag.name}' has stateful operations")
+        base = plan.base
+        from .plan import execute
+
+        def body(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            v = base.copy()
+            for name, slot in in_slots.items():
+                v[slot] = feed[name]
+            execute(plan, v, [])
+            return {name: v[slot] for name, slot in out_slots.items()}
+
+        return body
+
+    # -- tract_core_submodel ----------------------------------------------------------------------
+
+    def _submodel(self, inv: A.Invocation, ctx: _Ctx, qual: str) -> list[Any]:
+        """``tract_core_submodel(input, label = 'x')``: the model stored beside the graph as ``x.nnef.tgz``,
+        ``x.nnef.tar`` or folder ``x/``, planned on its own and run as one stateless node."""
+        from .session import get_plan
+
+        where = f"{self.loc(inv.pos)}: tract_core_submodel '{qual}': "
+        bound = bind_arguments(inv, [ParamInfo("input", "tensors", None), ParamInfo("label", "attr", None)])
+        if bound["label"] is None or bound["input"] is None:
+            raise GraphError(where + "needs an input and a label")
+        label = self.attr(bound["label"], ctx)
+        if not isinstance(label, str):
+            raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
+        if not _plain_label(label):
+            # resolved as Path(source) / label: no absolute paths, no '..', no separators
+            raise GraphError(where + f"sub-model label {label!r} is not a plain file name (no '/', '\\', '..' or "
+                                     f"absolute path)")
+        if self.submodel is None:
+            raise GraphError(where + "sub-models can only be resolved for a model loaded from an archive")
+        try:
+            sub = self.submodel(label)
+        except GraphError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - any loading failure is reported with the node
+            raise GraphError(where + f"cannot load sub-model '{label}': {exc}") from exc
+        plan = get_plan(sub)
+        if plan.stateful:
+            raise GraphError(where + f"sub-model '{label}' has stateful operations")
+        value = self.tensor_value(bound["input"], ctx, qual)
+        values = value if isinstance(value, list) else [value]
+        if len(values) != len(plan.inputs):
+            raise GraphError(where + f"{len(values)} inputs for a sub-model with {len(plan.inputs)}")
+        names = [i.name for i in plan.inputs]
+
+        def run_submodel(inputs: list[np.ndarray], label: str = "") -> Any:
+            from .plan import bind_inputs, execute
+
+            v = bind_inputs(plan, {n: x for n, x in zip(names, inputs)})
+            execute(plan, v, [])
+            outs = tuple(v[s] for _, s in plan.outputs)
+            return outs[0] if len(outs) == 1 else outs
+
+        prim = Primitive(signature="fragment tract_core_submodel(input: tensor<scalar>[], label: string) -> "
+                         "(output: tensor<scalar>[]);", registry="tract_core", kernel=run_submodel,
+                         name="tract_core_submodel")
+        slots = [self.as_tensor(x, ctx, qual).slot for x in values]
+        outs = self._add_node("tract_core_submodel", prim, [slots], {"label": label}, len(plan.outputs), qual,
+                              inv.pos)
+        return [TRef(o) for o in outs]
+
+    # -- sources -------------------------------------------------------------------------------
+
+    def _source(self, inv: A.Invocation, ctx: _Ctx, qual: str) -> Any:
+        named = inv.named()
+        pos_args = inv.positional()
+        op = inv.name
+        where = f"{self.loc(inv.pos)}: {op} '{qual}': "
+        generic = inv.generic.name if isinstance(inv.generic, A.PrimitiveType) else "scalar"
+
+        def arg(name: str, index: int) -> A.Expr | None:
+            if name in named:
+                return named[name]
+            if index < len(inv.args) and all(a.name is None for a in inv.args[: index + 1]):
+                return pos_args[index]
+            return None
+
+        shape_e = arg("shape", 0)
+        if op in ("external", "tract_core_external"):
+            if shape_e is None:
+                raise GraphError(where + "no shape")
+            if op == "tract_core_external":
+                dt_e = arg("datum_type", 1)
+                dt = dtype_of(self._static_literal(dt_e), where) if dt_e is not None else NNEF_TYPES["scalar"]
+            else:
+                dt = NNEF_TYPES.get(generic, NNEF_TYPES["scalar"])
+            shape: list[Any] = []
+            items = shape_e.items if isinstance(shape_e, A.ArrayExpr) else None
+            if items is None:
+                raise GraphError(where + "shape must be an array")
+            for it in items:
+                if isinstance(it, A.Identifier) and it.name not in ctx.scope:
+                    self.symbol(it.name)
+                    shape.append(it.name)
+                else:
+                    self._declare_symbols(it, ctx)
+                    v = self.attr(it, ctx)
+                    shape.append(v)
+            slot = self.new_slot()
+            self.inputs.append(InputSpec(qual, slot, dt, shape, self.loc(inv.pos)))
+            return TRef(slot)
+        if op == "variable":
+            label_e = arg("label", 1)
+            if label_e is None:
+                raise GraphError(where + "no label")
+            label = self._static_literal(label_e)
+            shape = self._shape(self._static_literal(shape_e), where) if shape_e is not None else None
+            arr = self._variable(label, where)
+            qp = _quant_params(self.quant[qual], self._quant_where(qual)) if qual in self.quant else None
+            if qp is not None and arr.dtype.kind in "iu":  # stored codes -> real values
+                arr = ((arr.astype(np.float32) - qp["zero_point"]) * np.float32(qp["scale"])).astype(np.float32)
+            if shape is not None and list(arr.shape) != list(shape):
+                raise GraphError(where + f"tensor '{label}' has shape {list(arr.shape)}, declared {list(shape)}")
+            return self.const(arr)
+        # constant
+        value_e = arg("value", 1)
+        if shape_e is None or value_e is None:
+            raise GraphError(where + "needs shape and value")
+        shape = self._shape(self._static_literal(shape_e), where)
+        value = self._static_literal(value_e)
+        dt = NNEF_TYPES.get(generic, NNEF_TYPES["scalar"])
+        n = 1
+        for d in shape:
+            n *= d
+        limit = self.limits.max_tensor_bytes
+        if n * dt.itemsize > limit:
+            raise LimitError(where + f"a constant of shape {shape} takes {n * dt.itemsize} bytes, over "
+                                     f"max_tensor_bytes={limit}")
+        try:
+            flat = np.asarray(value, dtype=dt).reshape(-1)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise GraphError(where + f"value {_short(repr(value), 60)} is not {generic} numbers: "
+                                     f"{_short(str(exc), 100)}") from None
+        if flat.size == 1:
+            arr = np.full(shape, flat[0], dtype=dt)
+        elif flat.size == n:
+            arr = flat.reshape(shape)
+        else:
+            raise GraphError(where + f"{flat.size} values for shape {shape}")
+        return self.const(arr)
+
+    @staticmethod
+
+    def _shape(value: Any, where: str) -> list[int]:
+        """A static ``shape`` attribute: a list of non-negative integers."""
+        if not isinstance(value, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in value):
+            raise GraphError(where + f"shape must be a list of non-negative integers, got {_short(repr(value), 60)}")
+        return [int(d) for d in value]
+
+    def _declare_symbols(self, e: A.Expr, ctx: _Ctx) -> None:
+        if isinstance(e, A.Identifier):
+            if e.name not in ctx.scope:
+                self.symbol(e.name)
+        elif isinstance(e, A.BinaryExpr):
+            self._declare_symbols(e.left, ctx)
+            self._declare_symbols(e.right, ctx)
+        elif isinstance(e, A.UnaryExpr):
+            self._declare_symbols(e.operand, ctx)
+
+    def _variable(self, label: Any, where: str) -> np.ndarray:
+        if not isinstance(label, str):
+            raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
+        for key in (label, label.lstrip("/")):
+            if key in self.tensors:
+                t = self.tensors[key]
+                if hasattr(t, "dequantize") and not isinstance(t, np.ndarray):
+                    t = t.dequantize()
+                return np.asarray(t)
+        raise GraphError(where + f"no tensor '{label}' in the model")
+
+
+def _plain_label(label: str) -> bool:
+    """A sub-model label usable as one file name inside the model's folder: letters, digits, ``_.-``, not
+    ``.`` and without ``..`` (so no absolute path, no separator, no way out of the folder)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9_.\-]+", label)) and label != "." and ".." not in label
+
+
+def _unpack(values: list[np.ndarray], count: int) -> Any:
+    if len(values) != count:
+        raise GraphError(f"{len(values)} tensors cannot be unpacked into {count} names")
+    return values[0] if count == 1 else tuple(values)
+
+
+_UNPACK_PRIM = Primitive(
+    signature="fragment unpack(values: tensor<?>[], count: integer) -> (items: tensor<?>[]);",
+    registry="nnef_kv",
+    kernel=_unpack,
+    name="<unpack>",
+)
+
+
+def _as_list(a: Any) -> Any:
+    return a if isinstance(a, (list, tuple)) else [a]
+
+
+def _lazy_constant(value: Any) -> np.ndarray:
+    return literal_array(value)
+
+
+_LAZY_PRIM = Primitive(
+    signature="fragment lazy_constant(value: ?) -> (output: tensor<?>);",
+    registry="nnef_kv",
+    kernel=_lazy_constant,
+    name="<lazy_constant>",
+)
+
+
+def build_graph(document: A.Document, tensors: dict[str, Any] | None = None, quantization: Any = None,
+                filename: str = "graph.nnef", submodel: Callable[[str], Any] | None = None) -> Graph:
+    """Build the :class:`Graph` of a document (see module docstring)."""
+    return GraphBuilder(document, tensors, quantization, filename, submodel).build()
+
+
+__all__ = ["Graph", "Node", "InputSpec", "TRef", "LRef", "Lazy", "build_graph", "bind_arguments", "to_py",
+           "literal_array", "expr_text", "BUILDER_OPS"]
