@@ -428,7 +428,7 @@ graph g(x, n) -> (y)
 
 
 def test_threads_2_splits_large_products_with_the_same_results() -> None:
-    from nnef_kv.interpreter import parallel
+    from nnef_kv.interpreter.plan import parallel
     from nnef_kv.interpreter.session import DocumentModel, Session
 
     rng = np.random.default_rng(7)

@@ -15,8 +15,9 @@ from nnef_kv.interpreter.ops import nnef_std as S
 from nnef_kv.interpreter.ops import tract_core as C
 from nnef_kv.interpreter.ops import tract_transformers as T
 from nnef_kv.interpreter.plan import build_plan, execute, bind_inputs
-from nnef_kv.interpreter.session import DocumentModel, get_plan
-from nnef_kv.interpreter.specialize import SPECIALIZERS, specialize
+from nnef_kv.interpreter.plan import get_plan
+from nnef_kv.interpreter.plan.specialize import SPECIALIZERS, specialize
+from nnef_kv.interpreter.session import DocumentModel
 
 
 def same(fast: Callable[[], Any], slow: Callable[[], Any]) -> None:

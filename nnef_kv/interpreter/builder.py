@@ -389,7 +389,7 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
         """``tract_core_scan``: the body fragment (named by a string) becomes a planned sub-graph run by
         :class:`~nnef_kv.interpreter.ops.tract_scan.ScanLoop`, a stateful kernel (its hidden state persists
         across runs, as in tract)."""
-        from .ops.tract_scan import ScanLoop, ScanSpec
+        from .ops.tract_scan import ScanSpec
 
         where = f"{self.loc(inv.pos)}: tract_core_scan '{qual}': "
         bound = bind_arguments(inv, self._SCAN_PARAMS)
@@ -450,35 +450,33 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
             reset_every_turn=bool(flags["reset_every_turn"]),
             name=f"tract_core_scan '{qual}'",
         )
-        body = self._body_callable(frag, where)
+        body = self._body_graph(frag, where)
         prim = Primitive(
             signature="fragment tract_core_scan(body: string) -> (outputs: tensor<scalar>[]);",
-            registry="tract_core",
-            state_factory=lambda **_: ScanLoop(spec, body),
-            name="tract_core_scan",
+            registry="tract_core", state_factory=_planned_by_the_planner, name="tract_core_scan",
         )
         attrs = {"body": body_name, "scan": [(n, a, c) for n, _, a, c in scan], "full": [n for n, _ in full],
                  "state": [(n, r) for n, _, r in state], "output": output, **flags}
         ins = [[s for _, s, _, _ in scan], [s for _, s in full], [s for _, s, _ in state]]
         outs = self._add_node("tract_core_scan", prim, ins, attrs, len(output), qual, inv.pos)
+        self.nodes[-1].body, self.nodes[-1].extra = body, spec
         return [TRef(o) for o in outs]
 
-    def _body_callable(self, frag: A.FragmentDecl, where: str) -> Callable[[dict[str, np.ndarray]], dict[str, np.ndarray]]:
-        """A document fragment planned as a stand-alone sub-graph: ``body(feed by param) -> results by name``."""
-        from .plan import build_plan
-
+    def _body_graph(self, frag: A.FragmentDecl, where: str) -> Graph:
+        """A document fragment built as a stand-alone nested graph: its tensor parameters are the graph's
+        inputs (by name), its results the outputs."""
         sub = GraphBuilder(self.doc, self.tensors, None, self.filename)
         sub.quant = self.quant
         sub.limits = self.limits
         sub.items_built = self.items_built  # one budget for the whole document build
         ctx = _Ctx({}, frag.name + ".", 1)
         params, results = param_info(frag)
-        in_slots: dict[str, int] = {}
+        inputs: list[InputSpec] = []
         for p in params:
             if p.kind != "tensor":
                 raise GraphError(where + f"body parameter '{p.name}' must be a tensor")
             slot = sub.new_slot()
-            in_slots[p.name] = slot
+            inputs.append(InputSpec(p.name, slot, None, [], where))  # type: ignore[arg-type]
             ctx.scope[p.name] = TRef(slot)
         assert frag.body is not None
         for st in frag.body:
@@ -487,31 +485,15 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
         for r in results:
             if r.name not in ctx.scope:
                 raise GraphError(where + f"fragment {frag.name}: result {r.name} is never assigned")
-        out_slots = {r.name: sub.as_tensor(ctx.scope[r.name], ctx, r.name).slot for r in results}
-        graph = Graph(frag.name, sub.nslots, sub.constants, sub.nodes, [], list(out_slots.items()), sub.symbols,
-                      self.quant, self.filename)
-        plan = build_plan(graph)
-        if plan.stateful:
-            raise GraphError(where + f"body fragment '{frag.name}' has stateful operations")
-        base = plan.base
-        from .plan import execute
-
-        def body(feed: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            v = base.copy()
-            for name, slot in in_slots.items():
-                v[slot] = feed[name]
-            execute(plan, v, [])
-            return {name: v[slot] for name, slot in out_slots.items()}
-
-        return body
+        out_slots = [(r.name, sub.as_tensor(ctx.scope[r.name], ctx, r.name).slot) for r in results]
+        return Graph(frag.name, sub.nslots, sub.constants, sub.nodes, inputs, out_slots, sub.symbols,
+                     self.quant, self.filename)
 
     # -- tract_core_submodel ----------------------------------------------------------------------
 
     def _submodel(self, inv: A.Invocation, ctx: _Ctx, qual: str) -> list[Any]:
         """``tract_core_submodel(input, label = 'x')``: the model stored beside the graph as ``x.nnef.tgz``,
         ``x.nnef.tar`` or folder ``x/``, planned on its own and run as one stateless node."""
-        from .session import get_plan
-
         where = f"{self.loc(inv.pos)}: tract_core_submodel '{qual}': "
         bound = bind_arguments(inv, [ParamInfo("input", "tensors", None), ParamInfo("label", "attr", None)])
         if bound["label"] is None or bound["input"] is None:
@@ -519,41 +501,26 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
         label = self.attr(bound["label"], ctx)
         if not isinstance(label, str):
             raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
-        if not _plain_label(label):
-            # resolved as Path(source) / label: no absolute paths, no '..', no separators
-            raise GraphError(where + f"sub-model label {label!r} is not a plain file name (no '/', '\\', '..' or "
-                                     f"absolute path)")
         if self.submodel is None:
             raise GraphError(where + "sub-models can only be resolved for a model loaded from an archive")
         try:
             sub = self.submodel(label)
-        except GraphError:
-            raise
+        except GraphError as exc:
+            raise GraphError(where + str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - any loading failure is reported with the node
             raise GraphError(where + f"cannot load sub-model '{label}': {exc}") from exc
-        plan = get_plan(sub)
-        if plan.stateful:
-            raise GraphError(where + f"sub-model '{label}' has stateful operations")
+        sub_graph = _model_graph(sub, f"{self.filename}: sub-model '{label}'")
         value = self.tensor_value(bound["input"], ctx, qual)
         values = value if isinstance(value, list) else [value]
-        if len(values) != len(plan.inputs):
-            raise GraphError(where + f"{len(values)} inputs for a sub-model with {len(plan.inputs)}")
-        names = [i.name for i in plan.inputs]
-
-        def run_submodel(inputs: list[np.ndarray], label: str = "") -> Any:
-            from .plan import bind_inputs, execute
-
-            v = bind_inputs(plan, {n: x for n, x in zip(names, inputs)})
-            execute(plan, v, [])
-            outs = tuple(v[s] for _, s in plan.outputs)
-            return outs[0] if len(outs) == 1 else outs
-
+        if len(values) != len(sub_graph.inputs):
+            raise GraphError(where + f"{len(values)} inputs for a sub-model with {len(sub_graph.inputs)}")
         prim = Primitive(signature="fragment tract_core_submodel(input: tensor<scalar>[], label: string) -> "
-                         "(output: tensor<scalar>[]);", registry="tract_core", kernel=run_submodel,
+                         "(output: tensor<scalar>[]);", registry="tract_core", kernel=_planned_by_the_planner,
                          name="tract_core_submodel")
         slots = [self.as_tensor(x, ctx, qual).slot for x in values]
-        outs = self._add_node("tract_core_submodel", prim, [slots], {"label": label}, len(plan.outputs), qual,
+        outs = self._add_node("tract_core_submodel", prim, [slots], {"label": label}, len(sub_graph.outputs), qual,
                               inv.pos)
+        self.nodes[-1].body = sub_graph
         return [TRef(o) for o in outs]
 
     # -- sources -------------------------------------------------------------------------------
@@ -666,12 +633,6 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
         raise GraphError(where + f"no tensor '{label}' in the model")
 
 
-def _plain_label(label: str) -> bool:
-    """A sub-model label usable as one file name inside the model's folder: letters, digits, ``_.-``, not
-    ``.`` and without ``..`` (so no absolute path, no separator, no way out of the folder)."""
-    return bool(re.fullmatch(r"[A-Za-z0-9_.\-]+", label)) and label != "." and ".." not in label
-
-
 def _unpack(values: list[np.ndarray], count: int) -> Any:
     if len(values) != count:
         raise GraphError(f"{len(values)} tensors cannot be unpacked into {count} names")
@@ -700,6 +661,16 @@ _LAZY_PRIM = Primitive(
     kernel=_lazy_constant,
     name="<lazy_constant>",
 )
+
+
+def _planned_by_the_planner(*args: Any, **kwargs: Any) -> Any:
+    raise GraphError("internal error: a nested graph's node ran before the planner gave it its kernel")
+
+
+def _model_graph(model: Any, filename: str) -> Graph:
+    """A model's graph (document, tensors, quantization, its own sub-models)."""
+    return GraphBuilder(model.document, getattr(model, "tensors", {}) or {}, getattr(model, "quantization", None),
+                        filename, getattr(model, "load_submodel", None)).build()
 
 
 def build_graph(document: A.Document, tensors: dict[str, Any] | None = None, quantization: Any = None,

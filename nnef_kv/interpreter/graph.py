@@ -26,6 +26,8 @@ class Node:
     attrs: dict[str, Any]
     outputs: list[Any]  # per result: slot int, ("unpack", [slots]) or ("list", slot)
     location: str
+    body: "Graph | None" = None  # a nested graph this node runs (scan body, sub-model), planned by the planner
+    extra: Any = None  # what the planner needs besides (a scan's ScanSpec)
 
     @property
     def stateful(self) -> bool:

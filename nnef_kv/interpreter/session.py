@@ -7,24 +7,22 @@ all-or-nothing for state). Two sessions of one model share the plan, never state
 """
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
-import shutil
 import tarfile
-import tempfile
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from ..atomic import atomic_write
-from ..errors import GraphError, InputError, LimitError, NnefKvError, StateError
+from ..errors import GraphError, InputError, NnefKvError, StateError
 from ..grammar import ast as A
 from .graph import Node
-from .plan import Plan, _slots_of, _symbolic_attrs, bind_inputs, build_plan, execute
+from .graph import slots_of as _slots_of
+from .plan import Plan, bind_inputs, execute, get_plan
+from .plan.steps import symbolic_attrs as _symbolic_attrs
 
 STATE_FORMAT = "nnef-kv-session-state"
 STATE_MANIFEST = "state.json"
@@ -41,97 +39,6 @@ class DocumentModel:
 
     def session(self, state: Any = None, threads: int = 1) -> "Session":
         return Session(self, state=state, threads=threads)
-
-
-def _submodel_loader(model: Any) -> Any:
-    """``label -> Model`` for ``tract_core_submodel``: ``label.nnef.tgz`` / ``.nnef.tar`` or folder ``label/``
-    among the model's resources (or beside its source folder)."""
-
-    def load_sub(label: str) -> Any:
-        from .. import load
-
-        from .builder import _plain_label
-
-        if not isinstance(label, str) or not _plain_label(label):  # resolved below as Path(source) / label
-            raise GraphError(f"{getattr(model, 'source', None) or '<model>'}: sub-model label {label!r} is not a "
-                             f"plain file name (no '/', '\\', '..' or absolute path)")
-
-        resources: dict[str, bytes] = getattr(model, "resources", None) or {}
-        source = getattr(model, "source", None)
-        tmp = Path(tempfile.mkdtemp(prefix="nnef-kv-submodel-"))
-        try:
-            for suffix in (".nnef.tgz", ".nnef.tar", ".nnef.tar.gz", ".tgz", ".tar"):
-                if label + suffix in resources:
-                    target = tmp / (label + suffix)
-                    target.write_bytes(bytes(resources[label + suffix]))
-                    return load(target)
-            members = {k[len(label) + 1:]: v for k, v in resources.items() if k.startswith(label + "/")}
-            if members:
-                for name, data in members.items():
-                    target = tmp / label / name
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                    target.write_bytes(bytes(data))
-                return load(tmp / label)
-            if source and Path(source).is_dir():
-                for cand in (Path(source) / (label + ".nnef.tgz"), Path(source) / (label + ".nnef.tar"),
-                             Path(source) / label):
-                    if cand.exists():
-                        return load(cand)
-            raise GraphError(f"no sub-model '{label}' ({label}.nnef.tgz, {label}.nnef.tar or {label}/) in the model")
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
-
-    return load_sub
-
-
-def get_plan(model: Any) -> Plan:
-    """The model's plan, built on first use and cached on the model object (rebuilt if its document changed)."""
-    cached = getattr(model, "__dict__", {}).get("_nnef_kv_plan")
-    if cached is not None and cached[0] is model.document:
-        return cached[1]
-    from ..limits import current_limits, using_limits
-    from ..grammar.printer import expr_text
-    from .builder import GraphBuilder
-
-    source = getattr(model, "source", None)
-    filename = f"{source}/graph.nnef" if source else "graph.nnef"
-    limits = getattr(model, "limits", None) or current_limits()
-    builder: GraphBuilder | None = None
-    try:
-        with using_limits(limits):  # the model's limits (given to load) bound the build, sub-models included
-            builder = GraphBuilder(model.document, getattr(model, "tensors", {}) or {},
-                                   getattr(model, "quantization", None), filename, _submodel_loader(model))
-            plan = build_plan(builder.build())
-    except NnefKvError:
-        raise
-    except Exception as exc:  # noqa: BLE001 - a builder bug: still an nnef-kv error naming what was built
-        st = builder.statement if builder is not None else None
-        what = ""
-        if st is not None:
-            text = f"{expr_text(st.lhs)} = {expr_text(st.rhs)}"
-            text = " ".join(text.split())
-            what = f" while building {builder.loc(st.pos)}: '{text[:120] + '...' if len(text) > 120 else text}'"
-        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
-        kind = LimitError if isinstance(exc, MemoryError) else GraphError
-        raise kind(f"{filename}: cannot build the graph{what}: {detail}") from exc
-    # identity for saved state: the document (structure, literals) as well as the nodes and attributes
-    plan.fingerprint = hashlib.sha256((plan.fingerprint + repr(model.document)).encode()).hexdigest()
-    try:
-        object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
-    except (AttributeError, TypeError):
-        pass
-    return plan
-
-
-def _length_binding(node: Any, state: Any) -> dict[str, int]:
-    """Fallback for states without ``symbol_bindings()``: the symbol at ``axis`` of ``past_sequence_shape``
-    is the state's current length (``length`` or ``len`` attribute)."""
-    shape = _symbolic_attrs(node.attrs).get("past_sequence_shape")
-    axis = node.attrs.get("axis")
-    n = getattr(state, "length", getattr(state, "len", None))
-    if not isinstance(shape, list) or not isinstance(axis, int) or n is None or not 0 <= axis < len(shape):
-        return {}
-    return {shape[axis]: int(n)} if isinstance(shape[axis], str) else {}
 
 
 def _join(parts: list[Any], lens: list[int], what: str) -> Any:
@@ -368,7 +275,7 @@ class Session:
         out: dict[str, tuple[int, str]] = {}
         for (_, node), s in zip(self.plan.stateful, self.states):
             fn = getattr(s, "symbol_bindings", None)
-            pairs = fn() if fn is not None else _length_binding(node, s)
+            pairs = fn() if fn is not None else {}
             for sym, n in pairs.items():
                 if sym in out and out[sym][0] != n:
                     raise StateError(f"symbol {sym} is {out[sym][0]} in {out[sym][1]} but {n} in '{node.name}'")

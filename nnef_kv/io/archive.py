@@ -18,11 +18,12 @@ still fits the value, so an untouched tensor is written back byte for byte.
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ArchiveError
+from ..errors import ArchiveError, GraphError
 from ..grammar import ast
 from ..limits import Limits, current_limits
 from .container import Buffer, Member, read_container, write_container
@@ -123,6 +124,41 @@ class Model:
             raise ArchiveError(
                 f"{self.name}: variable {missing[0]!r} has no tensor file ({missing[0].lstrip('/')}.dat){more}"
             )
+
+    def load_submodel(self, label: str) -> "Model":
+        """The model ``tract_core_submodel(label = ...)`` names: ``label.nnef.tgz`` / ``.nnef.tar`` or folder
+        ``label/`` among this model's resources (or beside its source folder). ``label`` is a plain file
+        name: no separator, no ``..``, no absolute path (it is resolved inside the model's folder)."""
+        import shutil
+        import tempfile
+
+        if not isinstance(label, str) or not _plain_label(label):
+            raise GraphError(f"sub-model label {label!r} is not a plain file name (no '/', '\\', '..' or absolute path)")
+
+        resources: dict[str, bytes] = self.resources or {}
+        tmp = Path(tempfile.mkdtemp(prefix="nnef-kv-submodel-"))
+        try:
+            for suffix in (".nnef.tgz", ".nnef.tar", ".nnef.tar.gz", ".tgz", ".tar"):
+                if label + suffix in resources:
+                    target = tmp / (label + suffix)
+                    target.write_bytes(bytes(resources[label + suffix]))
+                    return load(target)
+            members = {k[len(label) + 1:]: v for k, v in resources.items() if k.startswith(label + "/")}
+            if members:
+                for name, data in members.items():
+                    target = tmp / label / name
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                    target.write_bytes(bytes(data))
+                return load(tmp / label)
+            source = self.source
+            if source and Path(source).is_dir():
+                for cand in (Path(source) / (label + ".nnef.tgz"), Path(source) / (label + ".nnef.tar"),
+                             Path(source) / label):
+                    if cand.exists():
+                        return load(cand)
+            raise ArchiveError(f"no sub-model '{label}' ({label}.nnef.tgz, {label}.nnef.tar or {label}/) in the model")
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
 
     def session(self, state: Any = None) -> "Session":
         """A runnable session of this model (see :mod:`nnef_kv.interpreter.session`)."""
@@ -249,3 +285,9 @@ def save(model: Model, path: str | os.PathLike) -> Path:
     members = model_members(model, where)
     write_container(where, members)
     return Path(where)
+
+
+def _plain_label(label: str) -> bool:
+    """A sub-model label usable as one file name inside the model's folder: letters, digits, ``_.-``, not
+    ``.`` and without ``..`` (so no absolute path, no separator, no way out of the folder)."""
+    return bool(re.fullmatch(r"[A-Za-z0-9_.\-]+", label)) and label != "." and ".." not in label

@@ -15,9 +15,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .graph import Graph, Node, slots_of
-from .values import Lazy
-from .ops import tract_core as C
+from ..graph import Graph, Node, slots_of
+from ..ops import tract_core as C
+from ..values import Lazy
 
 Kernel = Callable[..., Any]
 
@@ -26,7 +26,7 @@ PRODUCERS: frozenset[Kernel] = frozenset({C.tract_core_rms_norm, C.tract_core_si
 
 
 def _mul_kernel() -> Kernel:
-    from .registry import lookup
+    from ..registry import lookup
 
     prim = lookup("mul")
     assert prim is not None and prim.kernel is not None

@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .ops import nnef_std as S
-from .ops import tract_core as C
-from .ops import tract_transformers as T
+from ..ops import nnef_std as S
+from ..ops import tract_core as C
+from ..ops import tract_transformers as T
 
 
 Kernel = Callable[..., Any]
@@ -114,9 +114,9 @@ SPECIALIZERS: dict[Kernel, Callable[[dict[str, Any]], Kernel | None]] = {
 }
 
 
-def specialize(kernel: Kernel, attrs: dict[str, Any]) -> Kernel | None:
-    """A kernel equivalent to ``kernel(*inputs, **attrs)`` taking the inputs only, or None."""
-    factory = SPECIALIZERS.get(kernel)
+def specialize(prim: Any, attrs: dict[str, Any]) -> Kernel | None:
+    """A kernel equivalent to ``prim.kernel(*inputs, **attrs)`` taking the inputs only, or None."""
+    factory = SPECIALIZERS.get(getattr(prim, "kernel", prim))
     return None if factory is None else factory(attrs)
 
 

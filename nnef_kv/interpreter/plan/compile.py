@@ -1,0 +1,49 @@
+"""A model's plan: its graph built (document, tensors, graph.quant, sub-models through the model's
+``load_submodel``) under the model's limits, then planned; cached on the model object."""
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+from ...errors import GraphError, LimitError, NnefKvError
+from ...grammar.printer import expr_text
+from ...limits import current_limits, using_limits
+from ..builder import GraphBuilder
+from .core import Plan, build_plan
+
+__all__ = ["get_plan"]
+
+
+def get_plan(model: Any) -> Plan:
+    """The model's plan, built on first use and cached on the model object (rebuilt if its document changed)."""
+    cached = getattr(model, "__dict__", {}).get("_nnef_kv_plan")
+    if cached is not None and cached[0] is model.document:
+        return cached[1]
+    source = getattr(model, "source", None)
+    filename = f"{source}/graph.nnef" if source else "graph.nnef"
+    limits = getattr(model, "limits", None) or current_limits()
+    builder: GraphBuilder | None = None
+    try:
+        with using_limits(limits):  # the model's limits (given to load) bound the build, sub-models included
+            builder = GraphBuilder(model.document, getattr(model, "tensors", {}) or {},
+                                   getattr(model, "quantization", None), filename, getattr(model, "load_submodel", None))
+            plan = build_plan(builder.build())
+    except NnefKvError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - a builder bug: still an nnef-kv error naming what was built
+        st = builder.statement if builder is not None else None
+        what = ""
+        if st is not None:
+            text = f"{expr_text(st.lhs)} = {expr_text(st.rhs)}"
+            text = " ".join(text.split())
+            what = f" while building {builder.loc(st.pos)}: '{text[:120] + '...' if len(text) > 120 else text}'"
+        detail = " ".join(f"{type(exc).__name__}: {exc}".split())[:200]
+        kind = LimitError if isinstance(exc, MemoryError) else GraphError
+        raise kind(f"{filename}: cannot build the graph{what}: {detail}") from exc
+    # identity for saved state: the document (structure, literals) as well as the nodes and attributes
+    plan.fingerprint = hashlib.sha256((plan.fingerprint + repr(model.document)).encode()).hexdigest()
+    try:
+        object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
+    except (AttributeError, TypeError):
+        pass
+    return plan

@@ -1,0 +1,114 @@
+"""Weights pass: ``linear(x, W)`` and ``matmul(x, W, transposeB = true)`` with a constant ``W`` get ``W``
+pre-transposed to a contiguous ``[in, out]`` array (a plain ``x @ Wt`` at run time), and products of one
+input by several constant weights (q/k/v, gate/up) become one product by the weights side by side."""
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+
+from ..graph import Node
+from .parallel import split_matmul
+from .steps import Step, has_lazy as _has_lazy
+
+__all__ = ["rewrite_weights", "fuse_projections"]
+
+
+def _matmul_pretransposed(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """``a @ bt`` with the leading axes of ``a`` folded into rows: one 2-D BLAS call (split in two column
+    halves across two threads when the session runs with ``threads = 2``, see :mod:`.parallel`)."""
+    if a.ndim > 2 and bt.ndim == 2 and a.flags.c_contiguous and a.dtype == bt.dtype:
+        return split_matmul(a.reshape(-1, a.shape[-1]), bt).reshape(a.shape[:-1] + (bt.shape[1],))
+    if a.ndim == 2 and bt.ndim == 2:
+        return split_matmul(a, bt)
+    return np.matmul(a, bt)
+
+
+def _linear_pretransposed(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    y = _matmul_pretransposed(x, wt)
+    if bias is not None:
+        if bias.ndim == 0 or bias.size == 1:
+            if bias.reshape(()).item() != 0:
+                y = y + bias.reshape(()).astype(y.dtype)
+        else:
+            y = y + bias.astype(y.dtype, copy=False)
+    return y
+
+
+def _prepare_weight(w: np.ndarray) -> np.ndarray:
+    """``W [.., out, in]`` -> contiguous ``[in, out]`` (leading unit axes dropped)."""
+    while w.ndim > 2 and w.shape[0] == 1:
+        w = w[0]
+    return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+
+
+def rewrite_weights(node: Node, base: list[Any], consts: set[int]) -> tuple[Callable, list[Any], dict] | None:
+    """linear / matmul(transposeB) with a constant weight -> a kernel on a pre-transposed weight."""
+    if node.op == "linear" and isinstance(node.inputs[1], int) and node.inputs[1] in consts and not node.attrs:
+        w = base[node.inputs[1]]
+        x_rank_ok = w.ndim >= 2 and all(d == 1 for d in w.shape[:-2])
+        if not x_rank_ok or w.dtype.kind != "f":
+            return None
+        bias = node.inputs[2] if len(node.inputs) > 2 else None
+        wt = _prepare_weight(w)
+        return _linear_pretransposed, [node.inputs[0], ("const", wt), bias], {}
+    if node.op == "matmul" and isinstance(node.inputs[1], int) and node.inputs[1] in consts:
+        attrs = node.attrs
+        if _has_lazy(attrs) or attrs.get("transposeA", False) or not attrs.get("transposeB", False):
+            return None
+        w = base[node.inputs[1]]
+        if w.ndim < 2 or w.dtype.kind != "f" or any(d != 1 for d in w.shape[:-2]):
+            return None
+        return _matmul_pretransposed, [node.inputs[0], ("const", _prepare_weight(w))], {}
+    return None
+
+
+def fuse_projections(steps: list[Step], step_nodes: list[Node],
+                      projections: list[tuple[int, int, np.ndarray, int, int]], base: list[Any]
+                      ) -> tuple[list[Step], list[Node], int]:
+    """Products of one input by several constant weights (q/k/v, gate/up) -> one product by the weights
+    side by side, run where the first of them was; each output is a column slice of the result. The
+    others' inputs are that same input and constants, so running them earlier changes nothing."""
+    groups: dict[int, list[tuple[int, int, np.ndarray, int, int]]] = {}
+    for p in projections:
+        groups.setdefault(p[1], []).append(p)
+    replace: dict[int, tuple[Step, Node]] = {}
+    drop: set[int] = set()
+    for x, members in groups.items():
+        if len(members) < 2:
+            continue
+        w0 = members[0][2]
+        members = [m for m in members if m[2].shape[0] == w0.shape[0] and m[2].dtype == w0.dtype]
+        if len(members) < 2:
+            continue
+        wt = np.ascontiguousarray(np.concatenate([m[2] for m in members], axis=1))
+        parts: list[tuple[int, int, int]] = []
+        at = 0
+        for m in members:
+            parts.append((m[3], at, at + m[2].shape[1]))
+            at += m[2].shape[1]
+        first = step_nodes[members[0][0]]
+        node = Node(first.name, first.op, first.prim, [x] + [n for m in members for n in step_nodes[m[0]].inputs[1:]],
+                    {}, [m[3] for m in members], first.location)
+
+        def step(v: list, st: list, x: int = x, wt: np.ndarray = wt, parts: tuple = tuple(parts)) -> None:
+            y = _matmul_pretransposed(v[x], wt)
+            for o, a, b in parts:
+                v[o] = y[..., a:b]
+
+        replace[members[0][0]] = (step, node)
+        drop.update(m[0] for m in members[1:])
+        for m in members:  # the separate transposed weights are not used any more
+            base[m[4]] = None
+    if not replace:
+        return steps, step_nodes, 0
+    new_steps: list[Step] = []
+    new_nodes: list[Node] = []
+    for i, (st, nd) in enumerate(zip(steps, step_nodes)):
+        if i in drop:
+            continue
+        if i in replace:
+            st, nd = replace[i]
+        new_steps.append(st)
+        new_nodes.append(nd)
+    return new_steps, new_nodes, len(drop)
