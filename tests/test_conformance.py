@@ -63,7 +63,7 @@ def _io(entry: dict[str, Any]) -> tuple[dict[str, np.ndarray], dict[str, np.ndar
 def _missing_peer_ops(entry: dict[str, Any]) -> list[str]:
     """tract_* operations the case uses that no module registers yet (written by another work stream)."""
     from nnef_kv.interpreter.builder import BUILDER_OPS
-    from nnef_kv.interpreter.registry import lookup
+    from nnef_kv.interpreter.catalog import lookup
 
     frags = set(entry.get("fragments_defined", ()))
     return [op for op in entry.get("ops_used", ()) if op.startswith("tract_") and op not in frags

@@ -229,7 +229,7 @@ def test_argmax_pool_and_max_pool_with_index() -> None:
 
 
 def test_integer_division_truncates_like_tract() -> None:
-    from nnef_kv.interpreter.registry import lookup
+    from nnef_kv.interpreter.catalog import lookup
 
     div = lookup("div").kernel
     got = div(np.array([7, -7, 6], np.int64), np.array([2, 2, -4], np.int64))
@@ -238,7 +238,7 @@ def test_integer_division_truncates_like_tract() -> None:
 
 
 def test_f16_stays_f16() -> None:
-    from nnef_kv.interpreter.registry import lookup
+    from nnef_kv.interpreter.catalog import lookup
 
     x = np.array([1.0, 2.0], np.float16)
     assert lookup("add").kernel(x, np.array(1.0, np.float32)).dtype == np.float16
@@ -280,7 +280,7 @@ def test_misc_kernels_tract_lacks() -> None:
 
 
 def test_nan_passes_through_kernels() -> None:
-    from nnef_kv.interpreter.registry import lookup
+    from nnef_kv.interpreter.catalog import lookup
 
     x = np.array([np.nan, 1.0], np.float32)
     for op in ("exp", "sigmoid", "tanh", "neg", "abs", "sqrt"):

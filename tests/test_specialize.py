@@ -46,7 +46,7 @@ def arrays(dtype: Any, shape: tuple[int, ...], seed: int, special: bool = False)
 
 
 def test_every_specializer_is_registered_for_a_registered_kernel() -> None:
-    from nnef_kv.interpreter.registry import PRIMITIVES, lookup
+    from nnef_kv.interpreter.catalog import PRIMITIVES, lookup
 
     lookup("add")  # loads every op module
     kernels = {p.kernel for p in PRIMITIVES.values()}

@@ -13,7 +13,7 @@ import pytest
 from conftest import requires_tract
 from tract_oracle import Graph, assert_close, tract_load
 
-from nnef_kv.interpreter.registry import lookup
+from nnef_kv.interpreter.catalog import lookup
 
 pytestmark = [requires_tract, pytest.mark.tract]
 

@@ -15,7 +15,7 @@ import pytest
 from conftest import requires_tract
 from tract_oracle import Graph, assert_close, tract_run
 
-from nnef_kv.interpreter.registry import PRIMITIVES, lookup
+from nnef_kv.interpreter.catalog import PRIMITIVES, lookup
 from nnef_kv.interpreter.ops import tract_core as tc
 from nnef_kv.interpreter.ops import tract_core_signal as ts
 from nnef_kv.interpreter.ops import tract_transformers as tt

@@ -15,7 +15,7 @@ import numpy as np
 from ..errors import GraphError, LimitError, NnefKvError
 from ..grammar import ast as A
 from ..grammar.printer import expr_text, message_text, short as _short
-from .registry import lookup
+from .catalog import lookup
 from .values import DYN, LRef, Lazy, TRef, _Ctx, _is_int, to_py
 
 __all__ = ["AttributeEvaluator", "BINARY_OPS", "UNARY_OPS", "BUILTINS", "MAX_INT_BITS"]

@@ -24,7 +24,8 @@ from .dtypes import NNEF_TYPES, dtype_of
 from .graph import Graph, InputSpec, Node
 from .params import ParamInfo, _is_tensor_array, bind_arguments, param_info
 from .quant import QuantMixin, _quant_params
-from .registry import Primitive, lookup
+from .catalog import lookup
+from .registry import Primitive
 from .values import LRef, Lazy, TRef, _Ctx, _is_int, literal_array, to_py
 
 SOURCE_OPS = ("external", "tract_core_external", "variable", "constant")

@@ -107,10 +107,3 @@ def stateful(signature: str, registry: str) -> Callable[[type], type]:
         return cls
 
     return deco
-
-
-def lookup(name: str) -> Primitive | None:
-    """The primitive registered under ``name`` (loading every op module on first use)."""
-    from . import ops  # noqa: F401  (registers everything)
-
-    return PRIMITIVES.get(name)

@@ -7,7 +7,7 @@ import numpy as np
 
 from ..errors import InputError, StateError
 
-__all__ = ["round_half_away", "GrowBuffer", "as_f32", "f16_to_f32", "expect_state", "check_qkv"]
+__all__ = ["round_half_away", "GrowBuffer", "as_f32", "f16_to_f32", "expect_state", "check_qkv", "stepwise_loop"]
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -211,3 +211,19 @@ def check_qkv(who: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[in
         raise InputError(f"{who}: {hq} query heads is not a multiple of {hkv} kv heads")
     return b, hq, sq, hkv, snew, d
 
+
+def stepwise_loop(state: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, axis: int = 2) -> np.ndarray:
+    """``state(q, k, v)`` token by token along ``axis`` (one query row per new token), outputs
+    concatenated: a fused attention op's stepwise run when its multi-token semantics differ."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    ax = axis % q.ndim
+    n = k.shape[ax]
+    if q.shape[ax] != n:
+        raise InputError(f"a stepwise call needs one query row per new token, got {q.shape[ax]} queries for "
+                         f"{n} tokens")
+    if n <= 1:
+        return state(q, k, v)
+    lead = (slice(None),) * ax
+    outs = [state(q[lead + (slice(i, i + 1),)], k[lead + (slice(i, i + 1),)], v[lead + (slice(i, i + 1),)])
+            for i in range(n)]
+    return np.concatenate(outs, axis=ax)

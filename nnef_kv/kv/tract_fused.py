@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InputError, StateError
-from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, round_half_away
+from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, round_half_away, stepwise_loop
 
 __all__ = ["TractQuantizedKvSdpa", "softmax_attention"]
 
@@ -151,8 +151,6 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
     def stepwise(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """One-token calls, one per new token (tract's multi-token call has no causal mask and codes
         every key under the running range, so only a loop gives one-token semantics)."""
-        from ..interpreter.ops.tract_transformers import stepwise_loop
-
         return stepwise_loop(self, q, k, v, axis=2)
 
     window_text = "no full-precision window"

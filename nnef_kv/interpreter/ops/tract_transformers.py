@@ -16,8 +16,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...errors import GraphError, InputError, StateError
+from ...errors import GraphError, StateError
 from ..registry import primitive, stateful
+from ...kv.common import stepwise_loop
 from .tract_common import as_float, float_compute_dtype, norm_axis, parse_datum_type
 
 REG = "tract_transformers"
@@ -26,23 +27,6 @@ REG = "tract_transformers"
 # ----------------------------------------------------------------------------------------------
 # Attention
 # ----------------------------------------------------------------------------------------------
-def stepwise_loop(state: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, axis: int = 2) -> np.ndarray:
-    """``state(q, k, v)`` token by token along ``axis`` (one query row per new token), outputs
-    concatenated: a fused attention op's stepwise run when its multi-token semantics differ."""
-    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-    ax = norm_axis(axis, q.ndim, what="stepwise axis")
-    n = k.shape[ax]
-    if q.shape[ax] != n:
-        raise InputError(f"a stepwise call needs one query row per new token, got {q.shape[ax]} queries for "
-                         f"{n} tokens")
-    if n <= 1:
-        return state(q, k, v)
-    lead = (slice(None),) * ax
-    outs = [state(q[lead + (slice(i, i + 1),)], k[lead + (slice(i, i + 1),)], v[lead + (slice(i, i + 1),)])
-            for i in range(n)]
-    return np.concatenate(outs, axis=ax)
-
-
 def causal_mask(q_len: int, kv_len: int) -> np.ndarray:
     """Boolean ``[q_len, kv_len]``, True where attention is allowed.
 

@@ -235,7 +235,7 @@ def fuse(d: Draft) -> None:
     pairs = F.fusion_pairs(d.graph)
     if not pairs:
         return
-    from ..registry import lookup
+    from ..catalog import lookup
 
     mul = lookup("mul").kernel  # type: ignore[union-attr]
     pending: dict[int, tuple[Node, Callable]] = {}

@@ -26,7 +26,7 @@ PRODUCERS: frozenset[Kernel] = frozenset({C.tract_core_rms_norm, C.tract_core_si
 
 
 def _mul_kernel() -> Kernel:
-    from ..registry import lookup
+    from ..catalog import lookup
 
     prim = lookup("mul")
     assert prim is not None and prim.kernel is not None

@@ -1,0 +1,45 @@
+"""Every operation nnef-kv knows, loaded: the op families register themselves when imported (one module
+a family, each op's signature its registration, see :mod:`.registry`), and this module imports them all.
+
+    prim = lookup("matmul")              # a Primitive, or None
+    ops_with(role="kv-cache")            # names of the ops whose registration says so
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from .registry import PRIMITIVES, Primitive
+
+__all__ = ["lookup", "PRIMITIVES", "ops_with", "FAMILIES"]
+
+#: the modules that register operations (interpreter op families, then the KV ops)
+FAMILIES = (
+    "nnef_kv.interpreter.ops.nnef_std",
+    "nnef_kv.interpreter.ops.tract_core",
+    "nnef_kv.interpreter.ops.tract_core_signal",
+    "nnef_kv.interpreter.ops.tract_transformers",
+    "nnef_kv.kv.ops",
+)
+_loaded = False
+
+
+def _load() -> None:
+    global _loaded
+    if not _loaded:
+        for m in FAMILIES:
+            importlib.import_module(m)
+        _loaded = True
+
+
+def lookup(name: str) -> Primitive | None:
+    """The primitive registered under ``name``."""
+    _load()
+    return PRIMITIVES.get(name)
+
+
+def ops_with(**query: Any) -> frozenset[str]:
+    """Names of the registered ops whose registration has every ``attribute = value`` of ``query``
+    (``ops_with(stateful=True)``, ``ops_with(role="kv-cache")``, ``ops_with(positional=True)``)."""
+    _load()
+    return frozenset(name for name, p in PRIMITIVES.items() if all(getattr(p, k) == v for k, v in query.items()))
