@@ -13,13 +13,13 @@ import numpy as np
 
 from .grammar import ast
 
-#: Ops that hold a KV cache in the session (stateful), with what they keep.
-KV_OPS = {
-    "tract_transformers_dyn_kv_cache": "f32/f16 cache, concatenated each run",
-    "tract_transformers_quantized_dyn_kv_cache": "tract quantized cache (4/8 bits), dequantized on read",
-    "tract_transformers_quantized_kv_sdpa": "tract fused u8 cache + attention",
-    "nnef_kv_kivi_sdpa": "nnef-kv KIVI cache (1..8 bits) + attention",
-}
+def kv_ops() -> dict[str, str]:
+    """Ops that hold a KV cache in the session (registered with role ``kv-cache`` or ``attention+kv``),
+    with their registered one-line description."""
+    from .interpreter.catalog import PRIMITIVES, lookup
+
+    lookup("add")  # loads every op family
+    return {name: p.describe for name, p in PRIMITIVES.items() if p.role in ("kv-cache", "attention+kv")}
 
 
 
@@ -96,18 +96,19 @@ def summarize(model: Any) -> Summary:
     g = doc.graph
     counts: Counter = Counter()
     kv: list[tuple[str, str, str]] = []
+    kv_described = kv_ops()
     decls: dict[str, TensorDecl] = {}
     if g is not None:
         for stmt in g.body:
             names = _lhs_names(stmt.lhs)
             for inv in ast.invocations(stmt.rhs):
                 counts[inv.name] += 1
-                if inv.name in KV_OPS:
+                if inv.name in kv_described:
                     settings = ", ".join(
                         f"{a.name} = {_text(a.value)}" for a in inv.args
                         if a.name is not None and a.name not in ("past_sequence_shape", "input_sequence_shape")
                     )
-                    desc = KV_OPS[inv.name] + (f"; {settings}" if settings else "")
+                    desc = kv_described[inv.name] + (f"; {settings}" if settings else "")
                     kv.append((names[0] if names else "?", inv.name, desc))
             rhs = stmt.rhs
             if isinstance(rhs, ast.Invocation) and rhs.name in ("external", "tract_core_external") and names:

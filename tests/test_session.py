@@ -512,14 +512,15 @@ def test_failed_run_rolls_the_quantized_cache_back() -> None:
 
 def test_failed_run_after_a_state_without_rollback_makes_the_session_refuse_until_reset(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A state with no checkpoint/rollback (here KIVI's, removed): after a run fails downstream of it, the
+    """A state that takes no checkpoint (here KIVI's answers NO_CHECKPOINT): after a run fails downstream of it, the
     session refuses to go on from a state that run may have advanced (no silent drift), and reset()
     makes it usable again."""
     from nnef_kv.errors import NnefKvError
     from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.interpreter.registry import NO_CHECKPOINT
     from nnef_kv.kv.kivi import KiviSdpa
 
-    monkeypatch.setattr(KiviSdpa, "checkpoint", None)
+    monkeypatch.setattr(KiviSdpa, "checkpoint", lambda self: NO_CHECKPOINT)
     model = DocumentModel(nnef_kv.parse(KIVI_FAILING_GRAPH, filename="kivi.nnef"))
     rng = np.random.default_rng(0)
     qs = [rng.standard_normal((1, 2, 1, 8)).astype(np.float32) for _ in range(6)]

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConversionError
+from ..interpreter.catalog import ops_with
 from .graph_edit import GraphEdit
 from .options import ConvertOptions
 from .attention import exporter_problems
@@ -21,8 +22,6 @@ from .passes import (
     PositionBindingPass,
 )
 
-QUANTIZED_KV_OPS = ("tract_transformers_quantized_dyn_kv_cache", "tract_transformers_quantized_kv_sdpa",
-                    "nnef_kv_kivi_sdpa", "nnef_kv_ggml_sdpa", "nnef_kv_hf_quantized_sdpa")
 
 LOOKED_FOR = (
     "attention: q . K^T (matmul or tract_core_einsum, through casts), then casts / constant scales / tanh "
@@ -110,7 +109,8 @@ def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: 
         report.passes.append(AttentionPass().run(ctx))
         done = bool(ctx.blocks)
     if not done:
-        held = [(n.name, n.op) for n in g.nodes if n.op in QUANTIZED_KV_OPS]
+        quantized = ops_with(quantized=True)  # every op registered with a quantized KV state
+        held = [(n.name, n.op) for n in g.nodes if n.op in quantized]
         if held:
             raise ConversionError(f"{where}: the graph already holds a quantized KV cache ({held[0][1]} "
                                   f"'{held[0][0]}'); nothing to convert")

@@ -21,57 +21,24 @@ import numpy as np
 from ..errors import ConversionError
 from ..grammar import ast as A
 from ..grammar.ast import identifiers, rename
+from ..interpreter.catalog import lookup, ops_with
 
-#: Parameter order of the ops the passes look into (positional arguments are matched against it).
-PARAMS: dict[str, tuple[str, ...]] = {
-    "matmul": ("A", "B", "transposeA", "transposeB"),
-    "softmax": ("x", "axes"),
-    "concat": ("values", "axis"),
-    "transpose": ("input", "axes"),
-    "unsqueeze": ("input", "axes"),
-    "squeeze": ("input", "axes"),
-    "reshape": ("input", "shape", "axis_start", "axis_count"),
-    "tile": ("input", "repeats"),
-    "slice": ("input", "axes", "begin", "end", "stride"),
-    "tract_core_cast": ("input", "to"),
-    "tract_core_shape_of": ("input",),
-    "shape_of": ("x",),
-    "tract_core_broadcast": ("input", "shape"),
-    "copy": ("x",),
-    "add": ("x", "y"),
-    "sub": ("x", "y"),
-    "mul": ("x", "y"),
-    "div": ("x", "y"),
-    "select": ("condition", "true_value", "false_value"),
-    "sqrt": ("x",),
-    "rsqrt": ("x",),
-    "neg": ("x",),
-    "rcp": ("x",),
-    "recip": ("x",),
-    "variable": ("shape", "label"),
-    "constant": ("shape", "value"),
-    "external": ("shape",),
-    "tract_core_external": ("datum_type", "shape"),
-    "tract_transformers_sdpa": ("q", "k", "v", "mask", "scale", "datum_type", "acc_datum_type", "is_causal"),
-    "tract_core_einsum": ("inputs", "expr", "acc", "output"),
-    "tanh": ("x",),
-    "tract_transformers_dyn_kv_cache": ("input", "name", "axis", "datum_type", "past_sequence_shape",
-                                        "input_sequence_shape"),
-    "tract_transformers_quantized_dyn_kv_cache": ("input", "name", "axis", "bits", "per_channel", "datum_type",
-                                                  "past_sequence_shape", "input_sequence_shape"),
-}
+#: NNEF's ``shape_of`` is an attribute builtin (no registered op): its one parameter, for :meth:`Node.arg`
+_BUILTIN_PARAMS: dict[str, tuple[str, ...]] = {"shape_of": ("x",)}
 
-#: Ops whose nodes hold session state: never removed as dead code.
-STATEFUL_OPS = frozenset({
-    "tract_transformers_dyn_kv_cache",
-    "tract_transformers_quantized_dyn_kv_cache",
-    "tract_transformers_quantized_kv_sdpa",
-    "tract_transformers_window_kv_sdpa",
-    "nnef_kv_kivi_sdpa",
-    "nnef_kv_ggml_sdpa",
-    "nnef_kv_hf_quantized_sdpa",
-})
 
+def params_of(op: str) -> tuple[str, ...]:
+    """Parameter order of ``op`` (how positional arguments bind): its registered signature's."""
+    prim = lookup(op)
+    return prim.params if prim is not None else _BUILTIN_PARAMS.get(op, ())
+
+
+def stateful_ops() -> frozenset[str]:
+    """Ops whose nodes hold session state (never removed as dead code): every op registered stateful."""
+    return ops_with(stateful=True)
+
+
+#: the sources that declare graph inputs
 SOURCE_OPS = frozenset({"external", "tract_core_external"})
 
 
@@ -172,7 +139,7 @@ class Node:
         named = inv.named()
         if param in named:
             return named[param]
-        order = PARAMS.get(inv.name, ())
+        order = params_of(inv.name)
         if param not in order:
             return None
         i = order.index(param)
@@ -375,10 +342,11 @@ class GraphEdit:
         """Remove statements nothing needs (outputs, declared inputs, stateful ops and the names in
         ``keep`` are roots). Returns the names of the removed statements (first name of each)."""
         roots = keep
+        stateful = stateful_ops()
         live: set[str] = set(self.outputs)
         keep = [False] * len(self.body)
         for n in reversed(self.nodes):
-            root = (n.op in STATEFUL_OPS) or (n.op in SOURCE_OPS and any(x in self.inputs for x in n.names)) \
+            root = (n.op in stateful) or (n.op in SOURCE_OPS and any(x in self.inputs for x in n.names)) \
                 or any(x in roots for x in n.names)
             if root or any(x in live for x in n.names):
                 keep[n.index] = True

@@ -28,14 +28,16 @@ from .catalog import lookup
 from .registry import Primitive
 from .values import LRef, Lazy, TRef, _Ctx, _is_int, literal_array, to_py
 
+#: the ops whose value the builder makes itself (graph inputs, stored tensors, literals): the registry
+#: holds their signatures (role "source"), read here for how their arguments bind
 SOURCE_OPS = ("external", "tract_core_external", "variable", "constant")
 
-#: tract's binary and unit element-wise operations: their arguments are taken in written order, whatever
-#: their names (``add(x = a, 1.0)`` is ``a + 1.0``; tract ``nnef/src/registry.rs`` ``deserialize``).
-POSITIONAL_OPS = frozenset(
-    "add sub mul div pow eq ne lt gt le ge and or min max exp log sin cos abs neg sign recip tan acos asin atan "
-    "cosh sinh acosh asinh atanh floor ceil round square sqrt rsqrt tanh sigmoid not".split()
-)
+
+def _source_params(op: str) -> tuple[str, ...]:
+    prim = lookup(op)
+    assert prim is not None and prim.role == "source", op
+    return prim.params
+
 #: operations the builder handles itself (no registry entry needed)
 BUILDER_OPS = SOURCE_OPS + ("tract_core_scan", "tract_core_submodel")
 
@@ -268,9 +270,7 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
         frag = self.fragments.get(inv.name)
         if frag is not None and frag.body is not None:
             return self._expand(frag, inv, ctx, qual)
-        if inv.name in ("external", "tract_core_external", "variable", "constant") and (
-            frag is None or frag.body is None
-        ):
+        if inv.name in SOURCE_OPS and (frag is None or frag.body is None):
             return [self._source(inv, ctx, qual)]
         if inv.name == "tract_core_scan" and frag is None:
             return self._scan(inv, ctx, qual)
@@ -284,8 +284,9 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
             raise UnknownOpError(
                 f"{self.loc(inv.pos)}: unknown operation '{inv.name}' (node '{qual}')")
         params, results = param_info(prim.decl)
-        if inv.name in POSITIONAL_OPS:
+        if prim.positional:
             # tract reads the operands of its binary and unit element-wise ops by position, names ignored
+            # (``add(x = a, 1.0)`` is ``a + 1.0``; tract ``nnef/src/registry.rs`` ``deserialize``)
             bound = {p.name: (inv.args[i].value if i < len(inv.args) else p.default) for i, p in enumerate(params)}
         else:
             bound = bind_arguments(inv, params)
@@ -533,19 +534,22 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
         where = f"{self.loc(inv.pos)}: {op} '{qual}': "
         generic = inv.generic.name if isinstance(inv.generic, A.PrimitiveType) else "scalar"
 
-        def arg(name: str, index: int) -> A.Expr | None:
+        order = _source_params(op)
+
+        def arg(name: str) -> A.Expr | None:
             if name in named:
                 return named[name]
+            index = order.index(name)
             if index < len(inv.args) and all(a.name is None for a in inv.args[: index + 1]):
                 return pos_args[index]
             return None
 
-        shape_e = arg("shape", 0)
+        shape_e = arg("shape")
         if op in ("external", "tract_core_external"):
             if shape_e is None:
                 raise GraphError(where + "no shape")
             if op == "tract_core_external":
-                dt_e = arg("datum_type", 1)
+                dt_e = arg("datum_type")
                 dt = dtype_of(self._static_literal(dt_e), where) if dt_e is not None else NNEF_TYPES["scalar"]
             else:
                 dt = NNEF_TYPES.get(generic, NNEF_TYPES["scalar"])
@@ -565,7 +569,7 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
             self.inputs.append(InputSpec(qual, slot, dt, shape, self.loc(inv.pos)))
             return TRef(slot)
         if op == "variable":
-            label_e = arg("label", 1)
+            label_e = arg("label")
             if label_e is None:
                 raise GraphError(where + "no label")
             label = self._static_literal(label_e)
@@ -578,7 +582,7 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
                 raise GraphError(where + f"tensor '{label}' has shape {list(arr.shape)}, declared {list(shape)}")
             return self.const(arr)
         # constant
-        value_e = arg("value", 1)
+        value_e = arg("value")
         if shape_e is None or value_e is None:
             raise GraphError(where + "needs shape and value")
         shape = self._shape(self._static_literal(shape_e), where)

@@ -23,6 +23,7 @@ from .graph import Node
 from .graph import slots_of as _slots_of
 from .plan import Plan, bind_inputs, execute, get_plan
 from .plan.steps import symbolic_attrs as _symbolic_attrs
+from .registry import NO_CHECKPOINT, KvState
 
 STATE_FORMAT = "nnef-kv-session-state"
 STATE_MANIFEST = "state.json"
@@ -74,7 +75,7 @@ class Session:
         self.threads = int(threads)
         self.model = model
         self.plan = get_plan(model)
-        self.states: list[Any] = []
+        self.states: list[KvState] = []
         self._stale: str | None = None  # set when a failed run could not be rolled back (see _rollback)
         for _, node in self.plan.stateful:
             factory = node.prim.state_factory
@@ -85,9 +86,6 @@ class Session:
                 raise
             except Exception as exc:
                 raise GraphError(f"{node.location}: cannot create the state of {node.op} '{node.name}': {exc}") from exc
-        #: per state, its bound ``checkpoint`` method if it offers ``checkpoint`` and ``rollback``, else None
-        self._marks = [s.checkpoint if callable(getattr(s, "checkpoint", None)) and callable(getattr(s, "rollback", None))
-                       else None for s in self.states]
         if state is not None:
             self.load_state(state)
 
@@ -185,14 +183,13 @@ class Session:
                       ) -> tuple[dict[str, Any], list[Any]]:
         sym, axes = self.token_inputs()
         for (_, node), st in zip(self.plan.stateful, self.states):
-            if not callable(getattr(st, "stepwise", None)):
+            if not st.has_stepwise():
                 raise InputError(f"{node.location}: stepwise: {node.op} '{node.name}' has no stepwise run")
         tslot = plan.graph.symbols[sym]
         splan = plan.stepwise(tslot)
         v = bind_inputs(splan, inputs, self._state_symbols() if self.states else None)
         c = int(v[tslot])
-        cuts = sorted({int(i) for st in self.states if callable(getattr(st, "stepwise_splits", None))
-                       for i in st.stepwise_splits(c) if 0 < int(i) < c})
+        cuts = sorted({int(i) for st in self.states for i in st.stepwise_splits(c) if 0 < int(i) < c})
         if not cuts:
             return self._execute(splan, v, slots, capture_map)
         other = [spec.name for spec in plan.inputs
@@ -227,21 +224,20 @@ class Session:
 
     # -- all-or-nothing runs -------------------------------------------------------------------
     def _checkpoint(self) -> list[Any]:
-        """Before a run: per state, ``state.checkpoint()`` when the state offers ``checkpoint`` and
-        ``rollback`` (O(1): DynKvCache, WindowKvSdpa, scans, the quantized KV caches), else None: a state
-        without them is not snapshotted (a copy could cost O(cache) every run) and a failed run marks the
-        session stale instead (see :meth:`_rollback`)."""
+        """Before a run: every state's ``checkpoint()`` (O(1) for every KV state and scan). A state that
+        cannot take one cheaply answers :data:`~.registry.NO_CHECKPOINT` (a copy could cost O(cache) every
+        run): a failed run then marks the session stale instead (see :meth:`_rollback`)."""
         if self._stale is not None:
             raise StateError(self._stale)
-        return [None if mark is None else mark() for mark in self._marks]
+        return [s.checkpoint() for s in self.states]
 
     def _rollback(self, marks: list[Any], cause: BaseException) -> None:
         """A run failed: put every state that can be rolled back as :meth:`_checkpoint` found it. If some
-        state cannot be (no ``rollback``), the session refuses further runs until :meth:`reset` or
+        state cannot be (it took no checkpoint), the session refuses further runs until :meth:`reset` or
         :meth:`load_state`, rather than continue from a state the failed run may have advanced."""
         stale = []
         for (_, node), s, mark in zip(self.plan.stateful, self.states, marks):
-            if mark is None:
+            if mark is NO_CHECKPOINT:
                 stale.append(f"'{node.name}' ({node.op})")
                 continue
             try:
@@ -274,9 +270,7 @@ class Session:
         """Symbols bound by the states (a KV cache binds ``P`` to its current length)."""
         out: dict[str, tuple[int, str]] = {}
         for (_, node), s in zip(self.plan.stateful, self.states):
-            fn = getattr(s, "symbol_bindings", None)
-            pairs = fn() if fn is not None else {}
-            for sym, n in pairs.items():
+            for sym, n in s.symbol_bindings().items():
                 if sym in out and out[sym][0] != n:
                     raise StateError(f"symbol {sym} is {out[sym][0]} in {out[sym][1]} but {n} in '{node.name}'")
                 out.setdefault(sym, (int(n), f"state of '{node.name}'"))
@@ -293,10 +287,7 @@ class Session:
         """Bytes held by all stateful nodes, summed key by key, plus ``total`` = codes+params+full_precision."""
         out: dict[str, int] = {"codes": 0, "params": 0, "full_precision": 0}
         for s in self.states:
-            nb = getattr(s, "nbytes", None)
-            if nb is None:
-                continue
-            for k, n in nb().items():
+            for k, n in s.nbytes().items():
                 out[k] = out.get(k, 0) + int(n)
         out["total"] = out["codes"] + out["params"] + out["full_precision"]
         return out

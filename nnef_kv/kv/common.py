@@ -6,8 +6,9 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError, StateError
+from ..interpreter.registry import KvState
 
-__all__ = ["round_half_away", "GrowBuffer", "as_f32", "f16_to_f32", "expect_state", "check_qkv", "stepwise_loop"]
+__all__ = ["round_half_away", "GrowBuffer", "BufferCheckpoint", "KvState", "as_f32", "f16_to_f32", "expect_state", "check_qkv", "stepwise_loop"]
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -63,9 +64,10 @@ def f16_to_f32(a: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
 class GrowBuffer:
     """An array that grows along ``axis``; ``nbytes`` counts the whole allocated capacity.
 
-    The new capacity is ``max(needed rounded up to min_chunk, ceil(capacity * growth))``: with
-    ``growth > 1`` appends are amortised O(1) and unused capacity is at most a ``growth - 1`` fraction;
-    with ``growth = 1`` the buffer grows by whole chunks (pages) and wastes less than one chunk.
+    The new capacity is ``max(needed rounded up to min_chunk, ceil(capacity * growth), needed + headroom)``:
+    with ``growth > 1`` appends are amortised O(1) and unused capacity is at most a ``growth - 1`` fraction;
+    with ``growth = 1`` the buffer grows by whole chunks (pages) and wastes less than one chunk. ``zeroed``:
+    new capacity is zero-filled (else left uninitialised: nothing reads past ``len``).
 
     No operation writes below ``len`` in the array it holds: appends write past it (or into a new,
     larger array), ``drop_front`` and ``set_exact`` move to a new array. So :meth:`mark` (the array and
@@ -74,12 +76,14 @@ class GrowBuffer:
     """
 
     def __init__(self, lead: tuple[int, ...], tail: tuple[int, ...], dtype: np.dtype | type,
-                 *, growth: float = 1.25, min_chunk: int = 64) -> None:
+                 *, growth: float = 1.25, min_chunk: int = 64, headroom: int = 0, zeroed: bool = True) -> None:
         self.lead = tuple(lead)
         self.tail = tuple(tail)
         self.dtype = np.dtype(dtype)
         self.growth = growth
         self.min_chunk = min_chunk
+        self.headroom = headroom
+        self._new = np.zeros if zeroed else np.empty
         self.len = 0
         self.data = np.zeros(self.lead + (0,) + self.tail, dtype=self.dtype)
 
@@ -95,9 +99,10 @@ class GrowBuffer:
         if total <= self.capacity:
             return
         chunked = -(-total // self.min_chunk) * self.min_chunk
-        new_cap = max(chunked, int(np.ceil(self.capacity * self.growth)))
-        new = np.zeros(self.lead + (new_cap,) + self.tail, dtype=self.dtype)
-        new[self._sl(0, self.len)] = self.data[self._sl(0, self.len)]
+        new_cap = max(chunked, int(np.ceil(self.capacity * self.growth)), total + self.headroom)
+        new = self._new(self.lead + (new_cap,) + self.tail, dtype=self.dtype)
+        if self.len:
+            new[self._sl(0, self.len)] = self.data[self._sl(0, self.len)]
         self.data = new
 
     def _sl(self, a: int, b: int) -> tuple:
@@ -118,7 +123,7 @@ class GrowBuffer:
         if k == 0:
             return
         rest = self.len - k
-        new = np.zeros_like(self.data)
+        new = self._new(self.data.shape, dtype=self.dtype)
         new[self._sl(0, rest)] = self.data[self._sl(k, self.len)]
         self.data = new
         self.len = rest
@@ -147,7 +152,7 @@ class GrowBuffer:
         self.len = arr.shape[self.axis]
 
 
-class BufferCheckpoint:
+class BufferCheckpoint(KvState):
     """O(1) ``checkpoint()`` / ``rollback()`` for a KV state whose tensors live in :class:`GrowBuffer` s
     (listed by ``_buffers()``, empty while the state holds nothing) and in the attributes named by
     ``_CHECKPOINT_ATTRS`` (replaced by new objects, never written into). The session takes a checkpoint

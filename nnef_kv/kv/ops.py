@@ -52,13 +52,15 @@ QUANTIZED_DYN_KV_CACHE_SIGNATURE = (
 )
 
 
-@stateful(QUANTIZED_KV_SDPA_SIGNATURE, "tract_transformers")
+@stateful(QUANTIZED_KV_SDPA_SIGNATURE, "tract_transformers", role="attention+kv",
+          describe="tract fused u8 cache + attention")
 class QuantizedKvSdpaKernel(TractQuantizedKvSdpa):
     """``tract_transformers_quantized_kv_sdpa``; ``scale = 0.0`` (the default) means tract's absent
     scale, ``1 / sqrt(D)``."""
 
 
-@stateful(QUANTIZED_DYN_KV_CACHE_SIGNATURE, "tract_transformers")
+@stateful(QUANTIZED_DYN_KV_CACHE_SIGNATURE, "tract_transformers", role="kv-cache",
+          describe="tract quantized cache (4/8 bits), dequantized on read")
 class QuantizedDynKvCacheKernel(TractQuantizedDynKvCache):
     """``tract_transformers_quantized_dyn_kv_cache``."""
 
@@ -68,17 +70,19 @@ class QuantizedDynKvCacheKernel(TractQuantizedDynKvCache):
                          past_sequence_shape=past_sequence_shape, input_sequence_shape=input_sequence_shape)
 
 
-@stateful(KIVI_SIGNATURE, "nnef_kv")
+@stateful(KIVI_SIGNATURE, "nnef_kv", role="attention+kv", describe="nnef-kv KIVI cache (1..8 bits) + attention")
 class KiviSdpaKernel(KiviSdpa):
     """``nnef_kv_kivi_sdpa`` (declaration in ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""
 
 
-@stateful(GGML_SDPA_SIGNATURE, "nnef_kv")
+@stateful(GGML_SDPA_SIGNATURE, "nnef_kv", role="attention+kv",
+          describe="llama.cpp ggml-typed cache (q8_0 ... iq4_nl, f16, f32) + attention")
 class GgmlSdpaKernel(GgmlSdpa):
     """``nnef_kv_ggml_sdpa``: llama.cpp's ggml-typed KV cache (declaration in
     ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""
 
 
-@stateful(HF_QUANTIZED_SIGNATURE, "nnef_kv")
+@stateful(HF_QUANTIZED_SIGNATURE, "nnef_kv", role="attention+kv",
+          describe="Hugging Face QuantizedCache (quanto / HQQ) + attention")
 class HfQuantizedSdpaKernel(HfQuantizedSdpa):
     """``nnef_kv_hf_quantized_sdpa``: Hugging Face ``QuantizedCache`` (quanto / HQQ) + exact attention."""

@@ -16,14 +16,15 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["FUSED_ATTENTION_OPS", "attention_step_indices", "run_capturing"]
+__all__ = ["fused_attention_ops", "attention_step_indices", "run_capturing"]
 
-FUSED_ATTENTION_OPS = frozenset({
-    "nnef_kv_kivi_sdpa",
-    "tract_transformers_quantized_kv_sdpa",
-    "tract_transformers_sdpa",
-    "tract_transformers_window_kv_sdpa",
-})
+def fused_attention_ops() -> frozenset[str]:
+    """The ops registered as attention (role ``attention`` or ``attention+kv``)."""
+    from ..interpreter.catalog import ops_with
+
+    return ops_with(role="attention") | ops_with(role="attention+kv")
+
+
 _PASS_THROUGH = frozenset({"tract_core_cast", "cast", "copy"})
 _SOFTMAX = frozenset({"softmax", "tract_core_softmax"})
 
@@ -45,8 +46,9 @@ def attention_step_indices(plan: Any) -> list[int]:
     """Indices into ``plan.steps`` of the attention nodes, in execution order."""
     producer: dict[int, Any] = {}
     found: list[int] = []
+    fused = fused_attention_ops()
     for i, node in enumerate(plan.step_nodes):
-        if node.op in FUSED_ATTENTION_OPS:
+        if node.op in fused:
             found.append(i)
         elif node.op == "matmul" and node.inputs and isinstance(node.inputs[0], int):
             src = producer.get(node.inputs[0])

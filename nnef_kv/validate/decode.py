@@ -206,10 +206,10 @@ class InterpreterDecoder:
     def kv_ops(self) -> list[tuple[Any, Any]]:
         """``(node, state)`` of every stateful node that holds keys/values (has a census)."""
         return [(node, st) for (_, node), st in zip(self.session.plan.stateful, self.session.states)
-                if callable(getattr(st, "census", None))]
+                if st.census() is not None]
 
     def quantized_ops(self) -> list[tuple[Any, Any]]:
-        return [(n, s) for n, s in self.kv_ops() if getattr(s, "QUANTIZED", False)]
+        return [(n, s) for n, s in self.kv_ops() if s.QUANTIZED]
 
     def reads_quantized(self, n: int, stepwise: bool) -> np.ndarray:
         """For each of the next ``n`` tokens, the most quantized entries one KV op will have it read
@@ -224,10 +224,10 @@ class InterpreterDecoder:
         rows = []
         for node, st in self.kv_ops():
             c = st.census()
-            nb = st.nbytes() if callable(getattr(st, "nbytes", None)) else {}
+            nb = st.nbytes()
             held = int(nb.get("codes", 0) + nb.get("params", 0) + nb.get("full_precision", 0))
-            used = st.used_nbytes() if callable(getattr(st, "used_nbytes", None)) else held
-            rows.append({"node": node.name, "op": node.op, "quantized": bool(getattr(st, "QUANTIZED", False)),
+            used = st.used_nbytes()
+            rows.append({"node": node.name, "op": node.op, "quantized": bool(st.QUANTIZED),
                          "tokens": c["tokens"], "quantized_tokens": c["quantized"],
                          "full_precision_tokens": c["full_precision"], "bytes": held, "bytes_used": int(used),
                          "bytes_f32": int(c.get("f32_bytes", 0))})

@@ -15,14 +15,13 @@ f16 tensors compute in f16 except where noted (conv/deconv/matmul accumulate in 
 """
 from __future__ import annotations
 
-import math
 from typing import Any, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ...errors import GraphError
-from ..registry import primitive
+from ..registry import Kernel, primitive, source
 
 T1 = "(x: tensor<scalar>) -> (y: tensor<scalar>)"
 T2 = "(x: tensor<scalar>, y: tensor<scalar>) -> (z: tensor<scalar>)"
@@ -67,8 +66,9 @@ def _f(x: np.ndarray) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # element-wise unary
 # ------------------------------------------------------------------------------------------------
-def _unary(name: str, fn: Any, *aliases: str) -> None:
-    primitive(f"fragment {name}{T1};", "nnef", *aliases)(fn)
+def _unary(name: str, fn: Any, *aliases: str, positional: bool = False) -> None:
+    """``positional``: tract registers the op as a unit element-wise op (operand bound by position)."""
+    primitive(f"fragment {name}{T1};", "nnef", *aliases, positional=positional)(fn)
 
 
 def _round(x: np.ndarray) -> np.ndarray:
@@ -116,23 +116,27 @@ def _copy(x: np.ndarray) -> np.ndarray:
 
 
 primitive("fragment copy<?>(x: tensor<?>) -> (y: tensor<?>);")(_copy)
-_unary("neg", lambda x: np.negative(x))
-_unary("rcp", _rcp, "recip")
+# positional=True: the ops tract registers as unit element-wise (nnef/src/ops/nnef/mod.rs)
+_unary("neg", lambda x: np.negative(x), positional=True)
+_unary("rcp", _rcp)
+_unary("recip", _rcp, positional=True)
 for _n, _fn in [("exp", np.exp), ("log", np.log), ("sin", np.sin), ("cos", np.cos), ("tan", np.tan),
                 ("sinh", np.sinh), ("cosh", np.cosh), ("tanh", np.tanh), ("asin", np.arcsin), ("acos", np.arccos),
                 ("atan", np.arctan), ("asinh", np.arcsinh), ("acosh", np.arccosh), ("atanh", np.arctanh),
-                ("sqrt", np.sqrt), ("log2", np.log2)]:
-    _unary(_n, _float_fn(_fn))
-_unary("abs", lambda x: np.abs(x))
-_unary("sign", lambda x: np.sign(x))
-primitive("fragment not(x: tensor<logical>) -> (y: tensor<logical>);")(lambda x: np.logical_not(x))
-_unary("floor", lambda x: np.floor(x) if x.dtype.kind == "f" else x)
-_unary("ceil", lambda x: np.ceil(x) if x.dtype.kind == "f" else x)
-_unary("round", _round)
-_unary("sqr", lambda x: x * x, "square")  # tract also registers "square"
+                ("sqrt", np.sqrt)]:
+    _unary(_n, _float_fn(_fn), positional=True)
+_unary("log2", _float_fn(np.log2))
+_unary("abs", lambda x: np.abs(x), positional=True)
+_unary("sign", lambda x: np.sign(x), positional=True)
+primitive("fragment not(x: tensor<logical>) -> (y: tensor<logical>);", positional=True)(lambda x: np.logical_not(x))
+_unary("floor", lambda x: np.floor(x) if x.dtype.kind == "f" else x, positional=True)
+_unary("ceil", lambda x: np.ceil(x) if x.dtype.kind == "f" else x, positional=True)
+_unary("round", _round, positional=True)
+_unary("sqr", lambda x: x * x)
+_unary("square", lambda x: x * x, positional=True)  # tract registers "square"
 _unary("rsqr", _rsqr)
-_unary("rsqrt", _rsqrt)
-_unary("sigmoid", _sigmoid)
+_unary("rsqrt", _rsqrt, positional=True)
+_unary("sigmoid", _sigmoid, positional=True)
 _unary("relu", lambda x: np.fmax(x, x.dtype.type(0)))  # tract: relu = max(x, 0.0), and max ignores NaN
 _unary("softplus", _float_fn(lambda x: np.logaddexp(x, 0)))
 _unary("silu", lambda x: x * _sigmoid(x))
@@ -199,14 +203,14 @@ def _binary(name: str, fn: Any, sig: str = T2) -> None:
         x, y = _align(x, y)
         return fn(x, y)
     k.__name__ = name
-    primitive(f"fragment {name}{sig};")(k)
+    primitive(f"fragment {name}{sig};", positional=True)(k)  # tract registers it as binary: by position
 
 
 _binary("add", np.add)
 _binary("sub", np.subtract)
 _binary("mul", np.multiply)
-primitive(f"fragment div{T2};")(_div)
-primitive(f"fragment pow{T2};")(_pow)
+primitive(f"fragment div{T2};", positional=True)(_div)
+primitive(f"fragment pow{T2};", positional=True)(_pow)
 _binary("min", np.fmin)
 _binary("max", np.fmax)
 _CMP = "(x: tensor<scalar>, y: tensor<scalar>) -> (z: tensor<logical>)"
@@ -334,7 +338,28 @@ def softmax(x: np.ndarray, axes: Sequence[int] = (1,)) -> np.ndarray:
 # ------------------------------------------------------------------------------------------------
 # shape and layout
 # ------------------------------------------------------------------------------------------------
-@primitive("fragment reshape<?>(input: tensor<?>, shape: integer[], axis_start: integer = 0, axis_count: integer = -1) -> (output: tensor<?>);")
+def _reshape_static(attrs: dict[str, Any]) -> Kernel | None:
+    shape = _flatten(attrs.get("shape", ()))
+    start, count = attrs.get("axis_start", 0), attrs.get("axis_count", -1)
+    if not all(type(d) is int and d > 0 for d in shape) or type(start) is not int or type(count) is not int:
+        return None  # 0 (copy a dim) and -1 (infer) depend on the input: the generic kernel
+    if start < 0 or count < 0:
+        return None
+    new, end, generic = tuple(shape), start + count, reshape
+
+    def reshape_static(input: np.ndarray) -> np.ndarray:  # noqa: A002 - NNEF parameter name
+        s = input.shape
+        if len(s) < end:
+            return generic(input, shape=list(new), axis_start=start, axis_count=count)
+        try:
+            return input.reshape(s[:start] + new + s[end:])
+        except (ValueError, AttributeError):
+            return generic(input, shape=list(new), axis_start=start, axis_count=count)
+    return reshape_static
+
+
+@primitive("fragment reshape<?>(input: tensor<?>, shape: integer[], axis_start: integer = 0, axis_count: integer = -1) -> (output: tensor<?>);",
+           specialize=_reshape_static)
 def reshape(input: np.ndarray, shape: Sequence[int] = (), axis_start: int = 0, axis_count: int = -1) -> np.ndarray:
     shape = _flatten(shape)  # tract splices nested arrays: shape = [1, foo, 3] with foo = [1, 2]
     dims = list(input.shape)
@@ -358,7 +383,24 @@ def squeeze(input: np.ndarray, axes: Sequence[int] = ()) -> np.ndarray:
     return np.squeeze(input, axis=_axes(axes, input.ndim)) if len(axes) else input
 
 
-@primitive("fragment unsqueeze<?>(input: tensor<?>, axes: integer[]) -> (output: tensor<?>);")
+def _unsqueeze_static(attrs: dict[str, Any]) -> Kernel | None:
+    axes = attrs.get("axes", ())
+    if not axes or not all(type(a) is int and a >= 0 for a in axes) or len(set(axes)) != len(axes):
+        return None
+    ax, generic = tuple(sorted(axes)), unsqueeze
+
+    def unsqueeze_static(input: np.ndarray) -> np.ndarray:  # noqa: A002
+        if type(input) is not np.ndarray or ax[-1] >= input.ndim + len(ax):
+            return generic(input, axes=list(axes))
+        shape = list(input.shape)
+        for a in ax:
+            shape.insert(a, 1)
+        return input.reshape(shape)
+    return unsqueeze_static
+
+
+@primitive("fragment unsqueeze<?>(input: tensor<?>, axes: integer[]) -> (output: tensor<?>);",
+           specialize=_unsqueeze_static)
 def unsqueeze(input: np.ndarray, axes: Sequence[int] = ()) -> np.ndarray:
     if not len(axes):
         return input
@@ -372,7 +414,21 @@ def unsqueeze(input: np.ndarray, axes: Sequence[int] = ()) -> np.ndarray:
     return input.reshape(shape)
 
 
-@primitive("fragment transpose<?>(input: tensor<?>, axes: integer[]) -> (output: tensor<?>);")
+def _transpose_static(attrs: dict[str, Any]) -> Kernel | None:
+    axes = attrs.get("axes", ())
+    if not all(type(a) is int for a in axes):
+        return None
+    perm, n, generic = tuple(axes), len(axes), transpose
+
+    def transpose_static(input: np.ndarray) -> np.ndarray:  # noqa: A002
+        if type(input) is np.ndarray and input.ndim == n:
+            return input.transpose(perm)
+        return generic(input, axes=list(perm))
+    return transpose_static
+
+
+@primitive("fragment transpose<?>(input: tensor<?>, axes: integer[]) -> (output: tensor<?>);",
+           specialize=_transpose_static)
 def transpose(input: np.ndarray, axes: Sequence[int] = ()) -> np.ndarray:
     perm = list(axes) + list(range(len(axes), input.ndim))
     return input.transpose(perm)
@@ -924,12 +980,10 @@ def zero_point_linear_quantize(x: np.ndarray, zero_point: int = 0, scale: float 
 # ------------------------------------------------------------------------------------------------
 # sources (handled by the graph builder; registered for their signatures)
 # ------------------------------------------------------------------------------------------------
-def _source_kernel(*_: Any, **__: Any) -> np.ndarray:
-    raise GraphError("external/variable/constant are resolved when the graph is built")
+source("fragment external<? = scalar>(shape: integer[]) -> (output: tensor<?>);",
+       describe="a graph input")
+source("fragment variable<? = scalar>(shape: integer[], label: string) -> (output: tensor<?>);",
+       describe="a stored tensor (a .dat file)")
+source("fragment constant<? = scalar>(shape: integer[], value: ?[]) -> (output: tensor<?>);",
+       describe="a literal tensor")
 
-
-primitive("fragment external<? = scalar>(shape: integer[]) -> (output: tensor<?>);")(_source_kernel)
-primitive("fragment variable<? = scalar>(shape: integer[], label: string) -> (output: tensor<?>);")(_source_kernel)
-primitive("fragment constant<? = scalar>(shape: integer[], value: ?[]) -> (output: tensor<?>);")(_source_kernel)
-
-_ = math  # keep import (used by type checkers for docs)

@@ -17,10 +17,13 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import GraphError, InputError
-from ..registry import primitive
-from .tract_common import as_float, as_int, as_int_list, float_compute_dtype, norm_axis, parse_datum_type
+from ..registry import Kernel, primitive, source
+from ..coerce import as_float, as_int, as_int_list, float_compute_dtype, norm_axis, parse_datum_type
 
 REG = "tract_core"
+
+source("fragment tract_core_external<?>(datum_type: string, shape: integer[]) -> (output: tensor<?>);", REG,
+       describe="a graph input of a tract datum type")
 _F32 = np.dtype(np.float32)
 
 
@@ -367,11 +370,28 @@ def tract_core_product_reduce(input: np.ndarray, *, axes: Sequence[int]) -> np.n
     return np.prod(x, axis=_axes_tuple(axes, x.ndim), keepdims=True).astype(x.dtype)
 
 
+def _rms_norm_static(attrs: dict[str, Any]) -> Kernel | None:
+    axis, eps = attrs.get("axis"), attrs.get("eps", 1e-6)
+    if type(axis) is not int or not isinstance(eps, (int, float)):
+        return None
+    generic, array, e = tract_core_rms_norm, rms_norm_array, float(eps)
+
+    def rms_norm(input: np.ndarray) -> np.ndarray:  # noqa: A002
+        """:func:`tract_core_rms_norm` with its axis and eps read once."""
+        x = input
+        if type(x) is not np.ndarray or not -x.ndim <= axis < x.ndim:
+            return generic(input, axis=axis, eps=eps)
+        return array(x, axis + x.ndim if axis < 0 else axis, e)
+    return rms_norm
+
+
 @primitive(
     "fragment tract_core_rms_norm(input: tensor<scalar>, axis: integer, eps: scalar = 1e-6)"
     " -> (output: tensor<scalar>);",
     REG,
     "tract_transformers_rms_norm",
+    specialize=_rms_norm_static,
+    fresh_result=True,
 )
 def tract_core_rms_norm(input: np.ndarray, *, axis: int, eps: float = 1e-6) -> np.ndarray:
     """``x / sqrt(mean(x^2, axis) + eps)``, computed in f32 for f16/f32 (as tract), result in the input type."""
@@ -481,7 +501,8 @@ def _silu(v: np.ndarray) -> np.ndarray:
     return np.divide(v, e, out=e)
 
 
-@primitive("fragment tract_core_silu(x: tensor<scalar>) -> (y: tensor<scalar>);", REG, "tract_transformers_silu")
+@primitive("fragment tract_core_silu(x: tensor<scalar>) -> (y: tensor<scalar>);", REG, "tract_transformers_silu",
+           fresh_result=True)
 def tract_core_silu(x: np.ndarray) -> np.ndarray:
     """``x * sigmoid(x)``."""
     if type(x) is np.ndarray and x.dtype == _F32:  # the common case, without the dtype dispatch

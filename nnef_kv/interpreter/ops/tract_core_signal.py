@@ -14,7 +14,7 @@ import numpy as np
 
 from ...errors import GraphError
 from ..registry import primitive
-from .tract_common import as_int, float_compute_dtype, norm_axis
+from ..coerce import as_int, float_compute_dtype, norm_axis
 
 REG = "tract_core"
 F32 = np.float32

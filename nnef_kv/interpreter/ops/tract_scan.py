@@ -14,7 +14,7 @@ body fragment into a callable sub-graph) and hands them to :class:`ScanLoop`, wh
 * the hidden state persists across runs of the session unless ``reset_every_turn`` (tract's pulse
   semantics); ``skip`` iterations (counted across runs) produce nothing.
 
-``ScanLoop`` implements the :class:`~nnef_kv.interpreter.registry.StatefulKernel` protocol, so a session can
+``ScanLoop`` is a :class:`~nnef_kv.interpreter.registry.KvState` (the session's state interface), so a session can
 keep, reset, save and reload it like any stateful node. It is *not* registered as a primitive.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ...errors import GraphError, StateError
+from ..registry import KvState
 
 Body = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
 
@@ -75,7 +76,7 @@ def _slice_chunk(x: np.ndarray, axis: int, i: int, chunk: int) -> np.ndarray:
     return np.moveaxis(out, 0, axis)
 
 
-class ScanLoop:
+class ScanLoop(KvState):
     """One ``tract_core_scan`` node: ``loop(scan_inputs, full_inputs, state_inits)`` -> outputs tuple."""
 
     def __init__(self, spec: ScanSpec, body: Body) -> None:
@@ -150,7 +151,7 @@ class ScanLoop:
             outs.append(full)
         return tuple(outs)
 
-    # StatefulKernel protocol -----------------------------------------------------------------
+    # KvState interface -----------------------------------------------------------------
     def reset(self) -> None:
         self.hidden = None
         self.position = 0

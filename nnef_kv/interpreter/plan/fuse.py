@@ -16,13 +16,9 @@ from typing import Any, Callable
 import numpy as np
 
 from ..graph import Graph, Node, slots_of
-from ..ops import tract_core as C
 from ..values import Lazy
 
 Kernel = Callable[..., Any]
-
-#: kernels whose result is always a fresh array of their own (safe to overwrite in place)
-PRODUCERS: frozenset[Kernel] = frozenset({C.tract_core_rms_norm, C.tract_core_silu})
 
 
 def _mul_kernel() -> Kernel:
@@ -34,8 +30,8 @@ def _mul_kernel() -> Kernel:
 
 
 def fusion_pairs(graph: Graph) -> dict[int, int]:
-    """``{producer output slot: index in graph.nodes of its only reader}`` for each producer (rms_norm,
-    silu: static attributes, one output) read by exactly one two-input ``mul`` and by nothing else (no
+    """``{producer output slot: index in graph.nodes of its only reader}`` for each producer (an op
+    registered ``fresh_result=True``, e.g. rms_norm, silu; static attributes, one output) read by exactly one two-input ``mul`` and by nothing else (no
     other node, no run-time attribute, not a graph output). Empty if some attribute's reads are unknown."""
     mul = _mul_kernel()
     readers: dict[int, list[int]] = {}
@@ -54,7 +50,7 @@ def fusion_pairs(graph: Graph) -> dict[int, int]:
     claimed: set[int] = set()
     for node in graph.nodes:
         prim = node.prim
-        if prim.stateful or prim.kernel not in PRODUCERS or len(node.outputs) != 1:
+        if prim.stateful or not prim.fresh_result or len(node.outputs) != 1:
             continue
         out = node.outputs[0]
         if not isinstance(out, int) or out in pinned or any(isinstance(a, Lazy) for a in node.attrs.values()):
@@ -100,4 +96,4 @@ def fused_node(producer: Node, consumer: Node, other: Any) -> Node:
                 list(consumer.outputs), producer.location)
 
 
-__all__ = ["PRODUCERS", "fusion_pairs", "fused_product", "fused_node"]
+__all__ = ["fusion_pairs", "fused_product", "fused_node"]

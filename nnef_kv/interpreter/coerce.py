@@ -1,4 +1,4 @@
-"""Helpers shared by the ``tract_*`` kernel modules: tract datum-type names and scalar coercion.
+"""Helpers shared by the kernels (tract op families, KV states): tract datum-type names, scalar coercion, axes.
 
 tract passes many "integer" parameters as graph wires (``tract_core_range(P, P + 1, 1)``), so a
 kernel may receive a Python int, a NumPy scalar or a one-element array for them: :func:`as_int`
@@ -10,7 +10,8 @@ from typing import Any
 
 import numpy as np
 
-from ...errors import GraphError
+from ..errors import GraphError
+
 
 def parse_datum_type(name: str, *, where: str = "") -> np.dtype:
     """The NumPy dtype of a tract datum-type name (``"f32"``, ``"F32"``, ``"I64"``, ``"TDim"``, ...).
@@ -19,7 +20,7 @@ def parse_datum_type(name: str, *, where: str = "") -> np.dtype:
     hit = _DTYPES.get(name) if isinstance(name, str) else None
     if hit is not None:
         return hit
-    from ..dtypes import dtype_of
+    from .dtypes import dtype_of
 
     dt = dtype_of(str(name), f"{where}: " if where else "")
     if isinstance(name, str) and len(_DTYPES) < 256:
