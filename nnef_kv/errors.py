@@ -5,8 +5,6 @@ Messages name the file, node or tensor at fault.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 
 class NnefKvError(Exception):
     """Base class of every error raised on purpose by nnef-kv."""
@@ -67,15 +65,3 @@ class StateError(NnefKvError):
 
 class ConversionError(NnefKvError):
     """A converter found nothing to convert or refused the input."""
-
-
-@dataclass(frozen=True)
-class Location:
-    """A place in a source file, for messages."""
-
-    filename: str
-    line: int
-    column: int
-
-    def __str__(self) -> str:
-        return f"{self.filename}:{self.line}:{self.column}"

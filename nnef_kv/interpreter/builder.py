@@ -10,39 +10,28 @@ that the planner plans.
 """
 from __future__ import annotations
 
-import re
 from typing import Any, Callable
 
 import numpy as np
 
-from ..errors import GraphError, LimitError, UnknownOpError
+from ..errors import GraphError, UnknownOpError
 from ..grammar import ast as A
-from ..grammar.printer import expr_text, short as _short
+from ..grammar.printer import expr_text
 from ..limits import Limits, current_limits
 from .attrs import BINARY_OPS, BUILTINS, UNARY_OPS, AttributeEvaluator
-from .dtypes import NNEF_TYPES, dtype_of
 from .graph import Graph, InputSpec, Node
 from .params import ParamInfo, _is_tensor_array, bind_arguments, param_info
-from .quant import QuantMixin, _quant_params
+from .nested import NestedMixin
+from .quant import QuantMixin
+from .sources import SOURCE_OPS, SourceMixin
 from .catalog import lookup
 from .registry import Primitive
-from .values import LRef, Lazy, TRef, _Ctx, _is_int, literal_array, to_py
+from .values import LRef, Lazy, TRef, _Ctx, literal_array, to_py
 
-#: the ops whose value the builder makes itself (graph inputs, stored tensors, literals): the registry
-#: holds their signatures (role "source"), read here for how their arguments bind
-SOURCE_OPS = ("external", "tract_core_external", "variable", "constant")
-
-
-def _source_params(op: str) -> tuple[str, ...]:
-    prim = lookup(op)
-    assert prim is not None and prim.role == "source", op
-    return prim.params
-
-#: operations the builder handles itself (no registry entry needed)
 BUILDER_OPS = SOURCE_OPS + ("tract_core_scan", "tract_core_submodel")
 
 
-class GraphBuilder(AttributeEvaluator, QuantMixin):
+class GraphBuilder(AttributeEvaluator, QuantMixin, NestedMixin, SourceMixin):
     """Builds a :class:`Graph` from a document, its tensors and its quantization."""
 
     MAX_DEPTH = 64
@@ -382,262 +371,6 @@ class GraphBuilder(AttributeEvaluator, QuantMixin):
             out.append(inner.scope[r.name])
         return out
 
-    # -- tract_core_scan -------------------------------------------------------------------------
-
-    _SCAN_PARAMS = [ParamInfo(n, "attr", None) for n in
-                    ("body", "scan", "full", "state", "output", "skip", "reset_every_turn", "external_state")]
-
-    def _scan(self, inv: A.Invocation, ctx: _Ctx, qual: str) -> list[Any]:
-        """``tract_core_scan``: the body fragment (named by a string) becomes a planned sub-graph run by
-        :class:`~nnef_kv.interpreter.ops.tract_scan.ScanLoop`, a stateful kernel (its hidden state persists
-        across runs, as in tract)."""
-        from .ops.tract_scan import ScanSpec
-
-        where = f"{self.loc(inv.pos)}: tract_core_scan '{qual}': "
-        bound = bind_arguments(inv, self._SCAN_PARAMS)
-
-        def items(name: str) -> list[A.Expr]:
-            e = bound.get(name)
-            if e is None:
-                return []
-            if not isinstance(e, A.ArrayExpr):
-                raise GraphError(where + f"'{name}' must be an array of tuples")
-            out = []
-            for it in e.items:
-                if not isinstance(it, A.TupleExpr):
-                    raise GraphError(where + f"'{name}' must be an array of tuples")
-                out.append(it.items)
-            return out
-
-        def static(e: A.Expr) -> Any:
-            v = self.attr(e, ctx)
-            if isinstance(v, Lazy):
-                raise GraphError(where + f"{expr_text(e)} must be known when the graph is built")
-            return v
-
-        def tensor(e: A.Expr) -> int:
-            return self.as_tensor(self.tensor_value(e, ctx, qual), ctx, qual).slot
-
-        body_e = bound.get("body")
-        if body_e is None:
-            raise GraphError(where + "no body")
-        body_name = static(body_e)
-        frag = self.fragments.get(body_name)
-        if frag is None or frag.body is None:
-            raise GraphError(where + f"body fragment '{body_name}' is not defined in the document")
-        known = {p.name for p in frag.params} | {r.name for r in frag.results}
-
-        def ident(e: A.Expr) -> str:
-            # tract writes the scan's names with dots ("Y.y_h") where the fragment has "Y_y_h"
-            n = str(static(e))
-            if n in known:
-                return n
-            alt = re.sub(r"[^A-Za-z0-9_]", "_", n)
-            if alt in known:
-                return alt
-            raise GraphError(where + f"body fragment '{body_name}' has no parameter or result '{n}'")
-
-        scan = [(ident(t[0]), tensor(t[1]), int(static(t[2])), int(static(t[3]))) for t in items("scan")]
-        full = [(ident(t[0]), tensor(t[1])) for t in items("full")]
-        state = [(ident(t[0]), tensor(t[1]), ident(t[2])) for t in items("state")]
-        output = [(ident(t[0]), static(t[1]), int(static(t[2])), int(static(t[3]))) for t in items("output")]
-        flags = {k: (static(bound[k]) if bound.get(k) is not None else 0)
-                 for k in ("skip", "reset_every_turn", "external_state")}
-        spec = ScanSpec(
-            scan=tuple((n, a, c) for n, _, a, c in scan),
-            full=tuple(n for n, _ in full),
-            state=tuple((n, r) for n, _, r in state),
-            outputs=tuple(output),
-            skip=int(flags["skip"]),
-            reset_every_turn=bool(flags["reset_every_turn"]),
-            name=f"tract_core_scan '{qual}'",
-        )
-        body = self._body_graph(frag, where)
-        prim = Primitive(
-            signature="fragment tract_core_scan(body: string) -> (outputs: tensor<scalar>[]);",
-            registry="tract_core", state_factory=_planned_by_the_planner, name="tract_core_scan",
-        )
-        attrs = {"body": body_name, "scan": [(n, a, c) for n, _, a, c in scan], "full": [n for n, _ in full],
-                 "state": [(n, r) for n, _, r in state], "output": output, **flags}
-        ins = [[s for _, s, _, _ in scan], [s for _, s in full], [s for _, s, _ in state]]
-        outs = self._add_node("tract_core_scan", prim, ins, attrs, len(output), qual, inv.pos)
-        self.nodes[-1].body, self.nodes[-1].extra = body, spec
-        return [TRef(o) for o in outs]
-
-    def _body_graph(self, frag: A.FragmentDecl, where: str) -> Graph:
-        """A document fragment built as a stand-alone nested graph: its tensor parameters are the graph's
-        inputs (by name), its results the outputs."""
-        sub = GraphBuilder(self.doc, self.tensors, None, self.filename)
-        sub.quant = self.quant
-        sub.limits = self.limits
-        sub.items_built = self.items_built  # one budget for the whole document build
-        ctx = _Ctx({}, frag.name + ".", 1)
-        params, results = param_info(frag)
-        inputs: list[InputSpec] = []
-        for p in params:
-            if p.kind != "tensor":
-                raise GraphError(where + f"body parameter '{p.name}' must be a tensor")
-            slot = sub.new_slot()
-            inputs.append(InputSpec(p.name, slot, None, [], where))  # type: ignore[arg-type]
-            ctx.scope[p.name] = TRef(slot)
-        assert frag.body is not None
-        for st in frag.body:
-            sub.assign(st, ctx)
-        self.items_built = sub.items_built
-        for r in results:
-            if r.name not in ctx.scope:
-                raise GraphError(where + f"fragment {frag.name}: result {r.name} is never assigned")
-        out_slots = [(r.name, sub.as_tensor(ctx.scope[r.name], ctx, r.name).slot) for r in results]
-        return Graph(frag.name, sub.nslots, sub.constants, sub.nodes, inputs, out_slots, sub.symbols,
-                     self.quant, self.filename)
-
-    # -- tract_core_submodel ----------------------------------------------------------------------
-
-    def _submodel(self, inv: A.Invocation, ctx: _Ctx, qual: str) -> list[Any]:
-        """``tract_core_submodel(input, label = 'x')``: the model stored beside the graph as ``x.nnef.tgz``,
-        ``x.nnef.tar`` or folder ``x/``, planned on its own and run as one stateless node."""
-        where = f"{self.loc(inv.pos)}: tract_core_submodel '{qual}': "
-        bound = bind_arguments(inv, [ParamInfo("input", "tensors", None), ParamInfo("label", "attr", None)])
-        if bound["label"] is None or bound["input"] is None:
-            raise GraphError(where + "needs an input and a label")
-        label = self.attr(bound["label"], ctx)
-        if not isinstance(label, str):
-            raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
-        if self.submodel is None:
-            raise GraphError(where + "sub-models can only be resolved for a model loaded from an archive")
-        try:
-            sub = self.submodel(label)
-        except GraphError as exc:
-            raise GraphError(where + str(exc)) from exc
-        except Exception as exc:  # noqa: BLE001 - any loading failure is reported with the node
-            raise GraphError(where + f"cannot load sub-model '{label}': {exc}") from exc
-        sub_graph = _model_graph(sub, f"{self.filename}: sub-model '{label}'")
-        value = self.tensor_value(bound["input"], ctx, qual)
-        values = value if isinstance(value, list) else [value]
-        if len(values) != len(sub_graph.inputs):
-            raise GraphError(where + f"{len(values)} inputs for a sub-model with {len(sub_graph.inputs)}")
-        prim = Primitive(signature="fragment tract_core_submodel(input: tensor<scalar>[], label: string) -> "
-                         "(output: tensor<scalar>[]);", registry="tract_core", kernel=_planned_by_the_planner,
-                         name="tract_core_submodel")
-        slots = [self.as_tensor(x, ctx, qual).slot for x in values]
-        outs = self._add_node("tract_core_submodel", prim, [slots], {"label": label}, len(sub_graph.outputs), qual,
-                              inv.pos)
-        self.nodes[-1].body = sub_graph
-        return [TRef(o) for o in outs]
-
-    # -- sources -------------------------------------------------------------------------------
-
-    def _source(self, inv: A.Invocation, ctx: _Ctx, qual: str) -> Any:
-        named = inv.named()
-        pos_args = inv.positional()
-        op = inv.name
-        where = f"{self.loc(inv.pos)}: {op} '{qual}': "
-        generic = inv.generic.name if isinstance(inv.generic, A.PrimitiveType) else "scalar"
-
-        order = _source_params(op)
-
-        def arg(name: str) -> A.Expr | None:
-            if name in named:
-                return named[name]
-            index = order.index(name)
-            if index < len(inv.args) and all(a.name is None for a in inv.args[: index + 1]):
-                return pos_args[index]
-            return None
-
-        shape_e = arg("shape")
-        if op in ("external", "tract_core_external"):
-            if shape_e is None:
-                raise GraphError(where + "no shape")
-            if op == "tract_core_external":
-                dt_e = arg("datum_type")
-                dt = dtype_of(self._static_literal(dt_e), where) if dt_e is not None else NNEF_TYPES["scalar"]
-            else:
-                dt = NNEF_TYPES.get(generic, NNEF_TYPES["scalar"])
-            shape: list[Any] = []
-            items = shape_e.items if isinstance(shape_e, A.ArrayExpr) else None
-            if items is None:
-                raise GraphError(where + "shape must be an array")
-            for it in items:
-                if isinstance(it, A.Identifier) and it.name not in ctx.scope:
-                    self.symbol(it.name)
-                    shape.append(it.name)
-                else:
-                    self._declare_symbols(it, ctx)
-                    v = self.attr(it, ctx)
-                    shape.append(v)
-            slot = self.new_slot()
-            self.inputs.append(InputSpec(qual, slot, dt, shape, self.loc(inv.pos)))
-            return TRef(slot)
-        if op == "variable":
-            label_e = arg("label")
-            if label_e is None:
-                raise GraphError(where + "no label")
-            label = self._static_literal(label_e)
-            shape = self._shape(self._static_literal(shape_e), where) if shape_e is not None else None
-            arr = self._variable(label, where)
-            qp = _quant_params(self.quant[qual], self._quant_where(qual)) if qual in self.quant else None
-            if qp is not None and arr.dtype.kind in "iu":  # stored codes -> real values
-                arr = ((arr.astype(np.float32) - qp["zero_point"]) * np.float32(qp["scale"])).astype(np.float32)
-            if shape is not None and list(arr.shape) != list(shape):
-                raise GraphError(where + f"tensor '{label}' has shape {list(arr.shape)}, declared {list(shape)}")
-            return self.const(arr)
-        # constant
-        value_e = arg("value")
-        if shape_e is None or value_e is None:
-            raise GraphError(where + "needs shape and value")
-        shape = self._shape(self._static_literal(shape_e), where)
-        value = self._static_literal(value_e)
-        dt = NNEF_TYPES.get(generic, NNEF_TYPES["scalar"])
-        n = 1
-        for d in shape:
-            n *= d
-        limit = self.limits.max_tensor_bytes
-        if n * dt.itemsize > limit:
-            raise LimitError(where + f"a constant of shape {shape} takes {n * dt.itemsize} bytes, over "
-                                     f"max_tensor_bytes={limit}")
-        try:
-            flat = np.asarray(value, dtype=dt).reshape(-1)
-        except (TypeError, ValueError, OverflowError) as exc:
-            raise GraphError(where + f"value {_short(repr(value), 60)} is not {generic} numbers: "
-                                     f"{_short(str(exc), 100)}") from None
-        if flat.size == 1:
-            arr = np.full(shape, flat[0], dtype=dt)
-        elif flat.size == n:
-            arr = flat.reshape(shape)
-        else:
-            raise GraphError(where + f"{flat.size} values for shape {shape}")
-        return self.const(arr)
-
-    @staticmethod
-
-    def _shape(value: Any, where: str) -> list[int]:
-        """A static ``shape`` attribute: a list of non-negative integers."""
-        if not isinstance(value, (list, tuple)) or not all(_is_int(d) and d >= 0 for d in value):
-            raise GraphError(where + f"shape must be a list of non-negative integers, got {_short(repr(value), 60)}")
-        return [int(d) for d in value]
-
-    def _declare_symbols(self, e: A.Expr, ctx: _Ctx) -> None:
-        if isinstance(e, A.Identifier):
-            if e.name not in ctx.scope:
-                self.symbol(e.name)
-        elif isinstance(e, A.BinaryExpr):
-            self._declare_symbols(e.left, ctx)
-            self._declare_symbols(e.right, ctx)
-        elif isinstance(e, A.UnaryExpr):
-            self._declare_symbols(e.operand, ctx)
-
-    def _variable(self, label: Any, where: str) -> np.ndarray:
-        if not isinstance(label, str):
-            raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
-        for key in (label, label.lstrip("/")):
-            if key in self.tensors:
-                t = self.tensors[key]
-                if hasattr(t, "dequantize") and not isinstance(t, np.ndarray):
-                    t = t.dequantize()
-                return np.asarray(t)
-        raise GraphError(where + f"no tensor '{label}' in the model")
-
-
 def _unpack(values: list[np.ndarray], count: int) -> Any:
     if len(values) != count:
         raise GraphError(f"{len(values)} tensors cannot be unpacked into {count} names")
@@ -666,16 +399,6 @@ _LAZY_PRIM = Primitive(
     kernel=_lazy_constant,
     name="<lazy_constant>",
 )
-
-
-def _planned_by_the_planner(*args: Any, **kwargs: Any) -> Any:
-    raise GraphError("internal error: a nested graph's node ran before the planner gave it its kernel")
-
-
-def _model_graph(model: Any, filename: str) -> Graph:
-    """A model's graph (document, tensors, quantization, its own sub-models)."""
-    return GraphBuilder(model.document, getattr(model, "tensors", {}) or {}, getattr(model, "quantization", None),
-                        filename, getattr(model, "load_submodel", None)).build()
 
 
 def build_graph(document: A.Document, tensors: dict[str, Any] | None = None, quantization: Any = None,
