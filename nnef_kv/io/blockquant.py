@@ -17,6 +17,7 @@ does (f16 scale widened to f32, one f32 product per value).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -148,6 +149,11 @@ class BlockQuantTensor:
         """Per-block f16 scale ``d``, shape ``(n_blocks,)``."""
         return np.ascontiguousarray(self._block_view()[:, 0:2]).view("<f2").reshape(-1)
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """``np.asarray(t)``: the dequantized values (a new float32 array each time)."""
+        values = self.dequantize()
+        return values if dtype is None else values.astype(dtype, copy=False)
+
     def dequantize(self) -> np.ndarray:
         """float32 values of ``shape``, as tract computes them."""
         d = self.scales().astype(np.float32)[:, None]
@@ -213,7 +219,8 @@ class BlockQuantTensor:
 def _blocks_of(values: np.ndarray) -> tuple[np.ndarray, tuple[int, ...]]:
     arr = np.asarray(values, dtype=np.float32)
     if arr.ndim < 1 or arr.size % BLOCK_LEN or (arr.shape[-1] % BLOCK_LEN):
-        raise TensorFileError(f"block quantization needs a last axis multiple of {BLOCK_LEN}, got shape {list(arr.shape)}")
+        raise TensorFileError(f"block quantization needs a last axis multiple of {BLOCK_LEN}, "
+                              f"got shape {list(arr.shape)}")
     return arr.reshape(-1, BLOCK_LEN), tuple(int(d) for d in arr.shape)
 
 

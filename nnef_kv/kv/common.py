@@ -8,7 +8,8 @@ import numpy as np
 from ..errors import InputError, StateError
 from ..interpreter.registry import KvState
 
-__all__ = ["round_half_away", "GrowBuffer", "BufferCheckpoint", "KvState", "as_f32", "f16_to_f32", "expect_state", "check_qkv", "stepwise_loop"]
+__all__ = ["round_half_away", "GrowBuffer", "BufferCheckpoint", "KvState", "as_f32", "f16_to_f32", "expect_state",
+           "check_qkv", "stepwise_loop"]
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -144,6 +145,16 @@ class GrowBuffer:
         """Bytes of the ``len`` items written (the rest of :attr:`nbytes` is spare capacity)."""
         cap = self.capacity
         return int(self.data.nbytes // cap * self.len) if cap else 0
+
+    def adopt(self, arr: np.ndarray) -> None:
+        """Hold ``arr`` itself as the contents (capacity = its length): a fresh array of the buffer's dtype
+        and shape that nothing else writes into (what :meth:`set_exact` copies, without the copy)."""
+        if (type(arr) is not np.ndarray or arr.dtype != self.dtype or not arr.flags.c_contiguous
+                or arr.shape[:self.axis] != self.lead or arr.shape[self.axis + 1:] != self.tail):
+            self.set_exact(arr)
+            return
+        self.data = arr
+        self.len = arr.shape[self.axis]
 
     def set_exact(self, arr: np.ndarray) -> None:
         """Replace contents by ``arr`` (capacity = its length), used when loading state."""

@@ -26,7 +26,8 @@ def get_plan(model: Any) -> Plan:
     try:
         with using_limits(limits):  # the model's limits (given to load) bound the build, sub-models included
             builder = GraphBuilder(model.document, getattr(model, "tensors", {}) or {},
-                                   getattr(model, "quantization", None), filename, getattr(model, "load_submodel", None))
+                                   getattr(model, "quantization", None), filename,
+                                   getattr(model, "load_submodel", None))
             plan = build_plan(builder.build())
     except NnefKvError:
         raise

@@ -93,7 +93,8 @@ def _tapped(plan: Plan, program: list, v: list, taps: dict[int, Callable[[Any], 
     return out
 
 
-def bind_inputs(plan: Plan, inputs: dict[str, Any], state_symbols: dict[str, tuple[int, str]] | None = None) -> list[Any]:
+def bind_inputs(plan: Plan, inputs: dict[str, Any],
+                state_symbols: dict[str, tuple[int, str]] | None = None) -> list[Any]:
     """Check the inputs against the declared shapes/dtypes, bind the symbols; return the run's value list.
 
     ``state_symbols`` are symbols the session's states bind (``P`` = tokens already in a KV cache), with the

@@ -31,7 +31,8 @@ def _mul_kernel() -> Kernel:
 
 def fusion_pairs(graph: Graph) -> dict[int, int]:
     """``{producer output slot: index in graph.nodes of its only reader}`` for each producer (an op
-    registered ``fresh_result=True``, e.g. rms_norm, silu; static attributes, one output) read by exactly one two-input ``mul`` and by nothing else (no
+    registered ``fresh_result=True``, e.g. rms_norm, silu; static attributes, one output) read by exactly one
+    two-input ``mul`` and by nothing else (no
     other node, no run-time attribute, not a graph output). Empty if some attribute's reads are unknown."""
     mul = _mul_kernel()
     readers: dict[int, list[int]] = {}
