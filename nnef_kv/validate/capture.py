@@ -5,7 +5,9 @@ What counts as "an attention op" (in graph order, so the k-th one is layer k):
 * a fused attention node: ``nnef_kv_kivi_sdpa``, ``tract_transformers_quantized_kv_sdpa``,
   ``tract_transformers_sdpa``, ``tract_transformers_window_kv_sdpa`` (its output ``[B, Hq, Sq, D]``);
 * a decomposed attention: a ``matmul`` whose first operand is a ``softmax`` (directly or through casts),
-  i.e. ``softmax(q k^T * scale + mask) @ v`` as exporters write it (same ``[B, Hq, Sq, D]`` tensor).
+  i.e. ``softmax(q k^T * scale + mask) @ v`` as exporters write it (same ``[B, Hq, Sq, D]`` tensor); when the
+  planner fused such a chain into one step (``plan/patterns.py``), that step (its first output is the
+  product's).
 
 :func:`run_capturing` is ``Session.run(inputs, capture=nodes)`` for those nodes, with copies of what
 it captured.
@@ -47,18 +49,27 @@ def attention_step_indices(plan: Any) -> list[int]:
     producer: dict[int, Any] = {}
     found: list[int] = []
     fused = fused_attention_ops()
+    from ..interpreter.plan.chains import chain_members
+
     for i, node in enumerate(plan.step_nodes):
-        if node.op in fused:
-            found.append(i)
-        elif node.op == "matmul" and node.inputs and isinstance(node.inputs[0], int):
-            src = producer.get(node.inputs[0])
-            while src is not None and src.op in _PASS_THROUGH and src.inputs and isinstance(src.inputs[0], int):
-                src = producer.get(src.inputs[0])
-            if src is not None and src.op in _SOFTMAX:
+        members = chain_members(node) or (node,)
+        for m in members:
+            if m is members[-1] and _is_attention(m, fused, producer):
                 found.append(i)
-        for s in _out_slots(node):
-            producer[s] = node
+            for s in _out_slots(m):
+                producer[s] = m
     return found
+
+
+def _is_attention(node: Any, fused: frozenset[str], producer: dict[int, Any]) -> bool:
+    if node.op in fused:
+        return True
+    if node.op == "matmul" and node.inputs and isinstance(node.inputs[0], int):
+        src = producer.get(node.inputs[0])
+        while src is not None and src.op in _PASS_THROUGH and src.inputs and isinstance(src.inputs[0], int):
+            src = producer.get(src.inputs[0])
+        return src is not None and src.op in _SOFTMAX
+    return False
 
 
 def run_capturing(session: Any, inputs: dict[str, Any], step_indices: list[int]

@@ -14,6 +14,12 @@ node still to run) in graph order:
   registered, that attribute work done once (:mod:`.specialize`);
 * :func:`steps` -- every item becomes one closure ``step(values, states)`` (:mod:`.steps`);
 * :func:`projections` -- products of one input by several constant weights become one product;
+* :func:`patterns` -- the chains exporters write for RMSNorm, rotate-half RoPE, the SiLU gate and attention
+  (grouped-query repeat included) become one step each (:mod:`.patterns`, ``Plan.elided`` again);
+* :func:`memo` -- steps computing only from tensor shapes, constants and symbols run once per tuple of
+  those shapes (:mod:`.chains`);
+* :func:`cache_append` -- ``concat([in_cache, new])`` returned as a graph output grows a buffer in place
+  when the input is the previous call's output (:mod:`.cache_append`);
 * :func:`liveness` -- the slots each step is the last to read are dropped after it (:mod:`.liveness`).
 
 :func:`~.execute.execute` runs the steps; a session holds only per-run values and the states of
@@ -34,6 +40,7 @@ from ...errors import GraphError, NnefKvError
 from ..graph import Graph, InputSpec, Node, slots_of as _slots_of
 from ..registry import Primitive
 from ..values import Lazy
+from . import blockweights as B
 from . import fuse as F
 from . import liveness as L
 from . import specialize as SP
@@ -153,6 +160,8 @@ class Draft:
     #: (step index, input slot, [in, out] weight, output slot, slot of that weight in base)
     projections: list[tuple[int, int, np.ndarray, int, int]] = field(default_factory=list)
     frees: list[tuple[int, ...]] | None = None
+    #: id(step node) -> its block-weight product (:mod:`.blockweights`)
+    block_products: dict[int, Any] = field(default_factory=dict)
 
 
 def nested(d: Draft) -> None:
@@ -215,14 +224,19 @@ def fold(d: Draft) -> None:
                 and all(s in consts for s in in_slots) and all(not isinstance(o, tuple) for o in node.outputs)
                 and node.op != "<lazy_constant>"):
             try:
-                result = item.kernel(*[_fetch(s, base) for s in node.inputs], **node.attrs)
+                args = [_fetch(s, base) for s in node.inputs]
+                if any(B.is_block(a) for a in args):  # a Q4_0 / Q8_1 weight: a view of its blocks, or dequantized
+                    result = B.fold_block(node, item.kernel, args)
+                else:
+                    result = item.kernel(*args, **node.attrs)
                 _store(node.outputs, result, base, node)
             except NnefKvError:
                 raise
             except Exception as exc:
                 raise GraphError(f"{node.location}: {node.op} '{node.name}' failed on constants: {exc}") from exc
             for o in node.outputs:
-                base[o] = np.asarray(base[o])
+                if not B.is_block(base[o]):
+                    base[o] = np.asarray(base[o])
                 consts.add(o)
             d.info["folded"] = d.info.get("folded", 0) + 1
             continue
@@ -266,7 +280,11 @@ def weights(d: Draft) -> None:
     for item in d.items:
         if item.state is not None or item.fused:
             continue
-        rw = W.rewrite_weights(item.node, d.base, d.consts)
+        rw = B.rewrite_block_product(item.node, d.base, d.consts)
+        if rw is not None:  # the step reads the product's operands only: the block weight is in the kernel
+            item.node = dataclasses.replace(item.node, inputs=list(rw[1]), attrs={})
+        else:
+            rw = W.rewrite_weights(item.node, d.base, d.consts)
         if rw is not None:
             item.kernel, item.ins, item.attrs = rw
             item.rewritten = True
@@ -296,26 +314,64 @@ def steps(d: Draft) -> None:
             if (item.kernel is W._matmul_pretransposed or (item.kernel is W._linear_pretransposed and ins[2] is None)) \
                     and isinstance(ins[0], int) and len(node.outputs) == 1 and isinstance(node.outputs[0], int):
                 d.projections.append((len(d.steps), ins[0], ins[1][1], node.outputs[0], len(d.base)))
+        if isinstance(item.kernel, B.BlockLinear):
+            d.block_products[id(node)] = item.kernel
+            d.info["block_products"] = d.info.get("block_products", 0) + 1
         kernel = item.kernel if item.state is None else (node.prim.kernel or (lambda *a: None))
         d.steps.append(make_step(node, kernel, list(item.ins), item.attrs, item.state, d.base))
         d.step_nodes.append(node)
 
 
 def projections(d: Draft) -> None:
-    """Products of one input by several constant weights become one product (see :mod:`.weights`)."""
+    """Products of one input by several constant weights become one product (see :mod:`.weights` and, for
+    block-quantized weights, :mod:`.blockweights`)."""
     if d.projections:
         d.steps, d.step_nodes, n = W.fuse_projections(d.steps, d.step_nodes, d.projections, d.base)
         d.info["fused_projections"] = n
+    if d.block_products:
+        found = {i: d.block_products[id(nd)] for i, nd in enumerate(d.step_nodes) if id(nd) in d.block_products}
+        d.steps, d.step_nodes, n = B.fuse_block_projections(d.steps, d.step_nodes, found)
+        d.info["fused_projections"] = d.info.get("fused_projections", 0) + n
+
+
+def patterns(d: Draft) -> None:
+    """Exporters' chains of small steps -> one step each (see :mod:`.patterns`)."""
+    from .patterns import fuse_patterns
+
+    d.steps, d.step_nodes, elided, counts = fuse_patterns(d.graph, d.steps, d.step_nodes, d.base)
+    d.info["fused_ops"] = len(d.elided)  # the producer*mul pairs of the fuse pass, counted before the chains
+    d.elided |= elided
+    d.info["fused_chains"] = sum(counts.values())
+
+
+def memo(d: Draft) -> None:
+    """Shape-only steps grouped and run once per tuple of the shapes they read (see :mod:`.chains`)."""
+    from .chains import memo_groups
+
+    d.steps, d.step_nodes, n = memo_groups(d.graph, d.steps, d.step_nodes, d.base)
+    d.info["memo_steps"] = n
+
+
+def cache_append(d: Draft) -> None:
+    """Explicit-cache concats grow a buffer instead of copying (see :mod:`.cache_append`)."""
+    from .cache_append import rewrite_cache_concats
+
+    d.steps, n = rewrite_cache_concats(d.graph, d.steps, d.step_nodes)
+    d.info["cache_appends"] = n
 
 
 def liveness(d: Draft) -> None:
+    n = B.materialize(d.step_nodes, d.base)  # block weights no product took: dequantized, as before
+    if n:
+        d.info["dequantized_weights"] = n
     d.frees = L.liveness(d.graph, d.step_nodes, d.base)
 
 
 #: the passes, in order; a flag of :func:`build_plan` turns the optional ones off
 PASSES: tuple[tuple[Callable[[Draft], None], str | None], ...] = (
     (nested, None), (fold, "fold_constants"), (fuse, "fuse_ops"), (weights, None),
-    (specialize, "specialize_kernels"), (steps, None), (projections, "fuse_projections"), (liveness, None),
+    (specialize, "specialize_kernels"), (steps, None), (projections, "fuse_projections"), (patterns, "fuse_ops"),
+    (memo, "specialize_kernels"), (cache_append, "specialize_kernels"), (liveness, None),
 )
 
 
@@ -354,7 +410,8 @@ def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool
             raise GraphError(f"{graph.filename}: output '{name}' is not computed by the graph")
     live = d.frees is not None
     frees = d.frees if d.frees is not None else [() for _ in d.steps]
-    info = dict(d.info, steps=len(d.steps), liveness=int(live), fused_ops=len(d.elided))
+    info = dict(d.info, steps=len(d.steps), liveness=int(live))
+    info.setdefault("fused_ops", len(d.elided))
     return Plan(graph, base, d.steps, d.step_nodes, d.stateful, graph.inputs, graph.outputs, fingerprint(graph),
                 info, frees, list(zip(d.steps, frees)), elided=frozenset(d.elided))
 

@@ -50,6 +50,9 @@ def rewrite_weights(node: Node, base: list[Any], consts: set[int]) -> tuple[Call
         if not x_rank_ok or w.dtype.kind != "f":
             return None
         bias = node.inputs[2] if len(node.inputs) > 2 else None
+        b = base[bias] if isinstance(bias, int) and bias in consts else None
+        if isinstance(b, np.ndarray) and b.size == 1 and b.reshape(()).item() == 0:
+            bias = None  # linear(x, W, 0.0): what the kernels skip anyway; the product can join a projection
         wt = _prepare_weight(w)
         return _linear_pretransposed, [node.inputs[0], ("const", wt), bias], {}
     if node.op == "matmul" and isinstance(node.inputs[1], int) and node.inputs[1] in consts:

@@ -1,0 +1,235 @@
+"""The attention chain (grouped-query repeat included) and reshape/transpose view chains: matchers for
+:mod:`.patterns` (see there for what the fused forms guarantee)."""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..graph import Node
+from ..values import Lazy
+from .chains import Flow
+from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, reshaped, scalarish
+
+__all__ = ["match_attention", "match_views"]
+
+
+# ------------------------------------------------------------------------------------------------
+# attention
+# ------------------------------------------------------------------------------------------------
+def _repeat_chain(w_: Walk, slot: int, reader: int) -> tuple[int, Node, Node, list[Node]] | None:
+    """The grouped-query repeat ``reshape+(tile(unsqueeze(kv, [2])))`` read only by ``reader``: (the kv
+    slot, unsqueeze, tile, reshapes in order)."""
+    mark = set(w_.members)
+    reshapes: list[Node] = []
+    cur, rd = slot, reader
+    while True:
+        got = w_.inner(cur, rd, "reshape")
+        if not got:
+            break
+        reshapes.insert(0, got[1])
+        cur, rd = got[1].inputs[0], got[0]
+    tl = reshapes and w_.inner(cur, rd, "tile")
+    un = tl and w_.inner(tl[1].inputs[0], tl[0], "unsqueeze")
+    if not (un and un[1].attrs.get("axes") == [2] and isinstance(un[1].inputs[0], int)):
+        w_.members = mark
+        return None
+    return un[1].inputs[0], un[1], tl[1], reshapes
+
+
+def _repeats(kv: np.ndarray, tile: Node, reshapes: list[Node], v: list) -> int | None:
+    """``g`` when the repeat chain makes ``[B, Hkv*g, T, D]`` of ``kv [B, Hkv, T, D]`` by adjacent copies."""
+    reps = attr_fn(tile, "repeats", ())(v)
+    try:
+        reps = [int(r) for r in reps]
+    except (TypeError, ValueError):
+        return None
+    if len(reps) != 5 or reps[:2] != [1, 1] or reps[3:] != [1, 1] or reps[2] < 1:
+        return None
+    b, h, t, d = kv.shape
+    g = reps[2]
+    dims: list[int] | None = [b, h, g, t, d]
+    for r in reshapes:
+        dims = reshaped(dims, r, v) if dims is not None else None
+    return g if dims == [b, h * g, t, d] else None
+
+
+def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
+    root = flow.nodes[k]
+    if root.op != "matmul" or pair(root) is None or root.attrs.get("transposeA") or root.attrs.get("transposeB"):
+        return None
+    w_ = Walk(flow, taken)
+    p_slot, v_slot = pair(root)
+    p_slot, cast = w_.castis_f32(p_slot, k)
+    sm = w_.inner(p_slot, cast if cast is not None else k, "softmax")
+    axes = sm and sm[1].attrs.get("axes")
+    if not (sm and isinstance(axes, list) and len(axes) == 1 and type(axes[0]) is int):
+        return None
+    z, zr = sm[1].inputs[0], sm[0]
+    mask = None
+    mpos = 0
+    ad = w_.inner(z, zr, "add")
+    if ad and pair(ad[1]):
+        a0, a1 = pair(ad[1])
+        for mpos, (sc, mk) in enumerate(((a0, a1), (a1, a0))):
+            if flow.node_of(sc) is not None and flow.nodes[flow.producer[sc]].op in ("mul", "matmul"):
+                mask, z, zr = mk, sc, ad[0]
+                break
+        else:
+            return None
+    scale, spos = None, 0
+    mu = w_.inner(z, zr, "mul")
+    if mu and pair(mu[1]):
+        m0, m1 = pair(mu[1])
+        spos = 1 if flow.const(m1) is not None else 0 if flow.const(m0) is not None else -1
+        if spos < 0:
+            return None
+        scale = flow.const(m1 if spos == 1 else m0)
+        z, zr = (m0 if spos == 1 else m1), mu[0]
+    qk = w_.inner(z, zr, "matmul")
+    if not qk or pair(qk[1]) is None or qk[1].attrs.get("transposeA"):
+        return None
+    q_slot, kt_slot = pair(qk[1])
+    if qk[1].attrs.get("transposeB"):
+        k_slot = kt_slot
+    else:
+        tr = w_.inner(kt_slot, qk[0], "transpose")
+        if not tr or tr[1].attrs.get("axes") != [0, 1, 3, 2]:
+            return None
+        k_slot = tr[1].inputs[0]
+        kt_reader = tr[0]
+    if qk[1].attrs.get("transposeB"):
+        kt_reader = qk[0]
+    krep = _repeat_chain(w_, k_slot, kt_reader)
+    vrep = _repeat_chain(w_, v_slot, k)
+    if (krep is None) != (vrep is None):
+        return None
+    kk = krep[0] if krep else k_slot
+    vv = vrep[0] if vrep else v_slot
+    if not all(isinstance(s, int) for s in (q_slot, kk, vv)) or (mask is not None and not isinstance(mask, int)):
+        return None
+    ax = axes[0]
+    members = sorted(w_.members | {k})
+    inputs = [q_slot, kk, vv] + ([mask] if mask is not None else [])
+
+    def fast(v: list, q_=q_slot, k_=kk, v_=vv, mask=mask, mpos=mpos, scale=scale, spos=spos, ax=ax,
+             krep=krep, vrep=vrep) -> Any:
+        q, kv, vv_ = v[q_], v[k_], v[v_]
+        if not (is_f32(q) and is_f32(kv) and is_f32(vv_) and q.ndim == kv.ndim == vv_.ndim == 4):
+            return NotImplemented
+        if ax not in (-1, 3) or (scale is not None and not scalarish(scale, 4)):
+            return NotImplemented
+        b, hq, sq, d = q.shape
+        b2, hkv, t, d2 = kv.shape
+        if krep is not None:
+            g = _repeats(kv, krep[2], krep[3], v)
+            if g is None or _repeats(vv_, vrep[2], vrep[3], v) != g:
+                return NotImplemented
+        else:
+            g = 1
+        if (b2, d2) != (b, d) or vv_.shape[:3] != (b, hkv, t) or hkv * g != hq:
+            return NotImplemented
+        if g == 1:
+            s = np.matmul(q, np.swapaxes(kv, -1, -2))
+            sv = s
+        else:
+            s = np.matmul(q.reshape(b, hkv, g, sq, d), np.swapaxes(kv, -1, -2)[:, :, None])
+            sv = s.reshape(b, hq, sq, t)
+        if scale is not None:
+            if spos == 1:
+                np.multiply(sv, scale, out=sv)
+            else:
+                np.multiply(scale, sv, out=sv)
+        if mask is not None:
+            mv = v[mask]
+            if not (is_f32(mv) and mv.ndim == 4 and all(a == b or a == 1 for a, b in zip(mv.shape, sv.shape))):
+                return NotImplemented
+            if mpos == 0:
+                np.add(sv, mv, out=sv)
+            else:
+                np.add(mv, sv, out=sv)
+        mx = np.max(sv, axis=3, keepdims=True)
+        np.subtract(sv, mx, out=sv)
+        np.exp(sv, out=sv)
+        np.divide(sv, np.sum(sv, axis=3, keepdims=True), out=sv)
+        if g == 1:
+            return np.matmul(s, vv_)
+        return np.matmul(s, vv_[:, :, None]).reshape(b, hq, sq, vv_.shape[3])
+
+    return Match("attention", members, inputs, fast, root.outputs[0])
+
+
+# ------------------------------------------------------------------------------------------------
+# views: reshape / transpose chains
+# ------------------------------------------------------------------------------------------------
+class _ViewPlan:
+    """The NumPy calls a chain of reshapes and transposes makes, resolved once per input shape and per
+    set of objects its run-time attributes read (a shape memo hands out the same objects while shapes do
+    not change): ``("reshape", shape)`` / ``("transpose", perm)``."""
+
+    def __init__(self, members: list[Node]) -> None:
+        self.members = members
+        self.reads = tuple(s for n in members for s in lazy_reads(n))
+        self.entry: tuple | None = None
+
+    def resolve(self, v: list, shape: tuple[int, ...]) -> list[tuple[str, Any]] | None:
+        objs = tuple(v[s] for s in self.reads)
+        e = self.entry
+        if e is not None and e[0] == shape and len(objs) == len(e[1]) and all(a is b for a, b in zip(objs, e[1])):
+            return e[2]
+        dims: list[int] | None = list(shape)
+        ops: list[tuple[str, Any]] | None = []
+        for n in self.members:
+            if n.op == "reshape":
+                dims = reshaped(dims, n, v)
+                if dims is None:
+                    ops = None
+                    break
+                ops.append(("reshape", tuple(dims)))
+            else:
+                axes = n.attrs.get("axes")
+                if not isinstance(axes, list) or sorted(axes) != list(range(len(axes))) or len(axes) > len(dims):
+                    ops = None
+                    break
+                perm = list(axes) + list(range(len(axes), len(dims)))
+                ops.append(("transpose", tuple(perm)))
+                dims = [dims[i] for i in perm]
+        self.entry = (shape, objs, ops)
+        return ops
+
+
+def match_views(flow: Flow, k: int, taken: set[int]) -> Match | None:
+    """``reshape`` / ``transpose`` steps chained through values read by the next one alone (two at least,
+    or one reshape with run-time attributes): one step applying the same NumPy views."""
+    root = flow.nodes[k]
+    if root.op not in ("reshape", "transpose") or not root.inputs or not isinstance(root.inputs[0], int):
+        return None
+    w_ = Walk(flow, taken)
+    chain = [root]
+    cur, rd = root.inputs[0], k
+    while True:
+        got = w_.inner(cur, rd, "reshape", "transpose")
+        if not got or not got[1].inputs or not isinstance(got[1].inputs[0], int):
+            break
+        chain.insert(0, got[1])
+        cur, rd = got[1].inputs[0], got[0]
+    if len(chain) == 1 and not lazy_reads(root):
+        return None
+    if any(n.op == "transpose" and (isinstance(n.attrs.get("axes"), Lazy) or len(n.inputs) != 1) for n in chain):
+        return None
+    x = chain[0].inputs[0]
+    plan = _ViewPlan(chain)
+    members = sorted(w_.members | {k})
+
+    def fast(v: list, x=x, plan=plan) -> Any:
+        y = v[x]
+        if type(y) is not np.ndarray:
+            return NotImplemented
+        ops = plan.resolve(v, y.shape)
+        if ops is None:
+            return NotImplemented
+        for kind, arg in ops:
+            y = y.reshape(arg) if kind == "reshape" else y.transpose(arg)
+        return y
+
+    return Match("view", members, [x], fast, root.outputs[0])

@@ -1,0 +1,134 @@
+"""Explicit caches without the copy: ``out_cache = concat([in_cache, new], axis)`` grown in place.
+
+torch-to-nnef exports take each layer's K and V cache as a graph input and return the cache with the new
+tokens as a graph output; the caller feeds that output back as the next call's input. ``concat`` copies
+the whole cache every call (O(T) a token, per layer, twice). Here such a concat (a graph input first, a
+graph output as its result) writes into a growing buffer instead: its result is a view of the buffer's
+first ``T + S`` positions. When the next call's input *is* that view (the same buffer, from position 0, as
+long as everything written to it, same strides), the new tokens are written after it and a longer view
+is returned: O(S). "That view" means the very array object returned last for that buffer: any other
+input (a fresh array, a copy, an older or shorter view, another view of the same memory, another dtype)
+goes into a new buffer, as a concat would copy it.
+
+The values are exactly ``concat``'s; what differs is the layout: the view is not C-contiguous (the buffer
+has spare capacity along ``axis``). Nothing is ever written inside a view already handed out (only past
+its end), so a caller holding an older output still sees what it saw; two calls given the same view (two
+threads, or a retried step) cannot both grow it: the first claims the spare room (under a lock), the
+second copies.
+"""
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import numpy as np
+
+from ..graph import Graph, Node
+from .steps import Step
+
+__all__ = ["grow_concat", "rewrite_cache_concats", "GROWTH", "MIN_SPARE"]
+
+#: spare capacity a new buffer gets: a quarter of its length, at least MIN_SPARE positions
+GROWTH = 0.25
+MIN_SPARE = 64
+
+_lock = threading.Lock()
+#: id(buffer) -> [weakref to the buffer, positions written, weakref to the last view handed out]
+_fill: dict[int, list[Any]] = {}
+
+
+def _forget(key: int) -> None:
+    with _lock:
+        _fill.pop(key, None)
+
+
+def _new_buffer(shape: list[int], axis: int, dtype: np.dtype) -> np.ndarray:
+    n = shape[axis]
+    cap = list(shape)
+    cap[axis] = n + max(MIN_SPARE, int(n * GROWTH))
+    buf = np.empty(cap, dtype)
+    key = id(buf)
+    with _lock:
+        _fill[key] = [weakref.ref(buf, lambda _r, key=key: _forget(key)), 0, None]
+    return buf
+
+
+def _claim(x: np.ndarray, axis: int, extra: int) -> tuple[np.ndarray, int, list[Any]] | None:
+    """``(buffer, start, its record)`` when ``x`` is the last view handed out of one of our buffers (all
+    that is written in it) with room for ``extra`` more positions along ``axis``; the buffer's fill then
+    moves past them (claimed, under the lock). Else None."""
+    buf = x.base
+    if type(buf) is not np.ndarray:
+        return None
+    n = x.shape[axis]
+    with _lock:
+        meta = _fill.get(id(buf))
+        if (meta is None or meta[0]() is not buf or meta[2] is None or meta[2]() is not x or meta[1] != n
+                or n + extra > buf.shape[axis]):
+            return None
+        meta[1] = n + extra
+    return buf, n, meta
+
+
+def grow_concat(values: list[np.ndarray], axis: int) -> np.ndarray:
+    """``concat(values, axis)`` for ``[cache, new]`` (see the module docstring); anything else: the concat
+    kernel."""
+    if len(values) != 2:
+        return _generic(values, axis)
+    x, new = values
+    if (type(x) is not np.ndarray or type(new) is not np.ndarray or x.dtype != new.dtype or x.ndim != new.ndim
+            or not x.ndim):
+        return _generic(values, axis)
+    a = axis + x.ndim if axis < 0 else axis
+    if not 0 <= a < x.ndim or x.shape[:a] != new.shape[:a] or x.shape[a + 1:] != new.shape[a + 1:]:
+        return _generic(values, axis)
+    s = new.shape[a]
+    lead = (slice(None),) * a
+    got = _claim(x, a, s)
+    if got is None:
+        total = list(x.shape)
+        total[a] += s
+        buf = _new_buffer(total, a, x.dtype)
+        start = x.shape[a]
+        buf[lead + (slice(0, start),)] = x
+        with _lock:
+            meta = _fill[id(buf)]
+            meta[1] = start + s
+    else:
+        buf, start, meta = got
+    buf[lead + (slice(start, start + s),)] = new
+    out = buf[lead + (slice(0, start + s),)]
+    meta[2] = weakref.ref(out)
+    return out
+
+
+def _generic(values: list[np.ndarray], axis: int) -> np.ndarray:
+    from ..ops.nnef_std import concat
+
+    return concat(values, axis=axis)
+
+
+def rewrite_cache_concats(graph: Graph, steps: list[Step], nodes: list[Node]) -> tuple[list[Step], int]:
+    """The steps of ``concat([graph input, x], axis)`` producing a graph output, with a static axis, run
+    :func:`grow_concat`; returns the steps and how many were rewritten."""
+    inputs = {i.slot for i in graph.inputs}
+    outputs = {s for _, s in graph.outputs}
+    out = list(steps)
+    n = 0
+    for k, node in enumerate(nodes):
+        if node.op != "concat" or len(node.inputs) != 1 or not isinstance(node.inputs[0], list):
+            continue
+        vals = node.inputs[0]
+        axis = node.attrs.get("axis")
+        if (len(vals) != 2 or vals[0] not in inputs or type(axis) is not int or len(node.outputs) != 1
+                or node.outputs[0] not in outputs):
+            continue
+        a, b = vals
+        o = node.outputs[0]
+
+        def step(v: list, st: list, a: int = a, b: int = b, o: int = o, axis: int = axis) -> None:
+            v[o] = grow_concat([v[a], v[b]], axis)
+        out[k] = step
+        n += 1
+    return out, n
