@@ -11,6 +11,7 @@ import numpy as np
 from ..errors import GraphError, LimitError
 from ..grammar import ast as A
 from ..grammar.printer import short as _short
+from ..io.blockquant import BlockQuantTensor
 from .catalog import lookup
 from .dtypes import NNEF_TYPES, dtype_of
 from .graph import InputSpec
@@ -129,12 +130,14 @@ class SourceMixin:
         elif isinstance(e, A.UnaryExpr):
             self._declare_symbols(e.operand, ctx)
 
-    def _variable(self, label: Any, where: str) -> np.ndarray:
+    def _variable(self, label: Any, where: str) -> Any:
         if not isinstance(label, str):
             raise GraphError(where + f"label must be a string, got {_short(repr(label), 60)}")
         for key in (label, label.lstrip("/")):
             if key in self.tensors:
                 t = self.tensors[key]
+                if isinstance(t, BlockQuantTensor):
+                    return t  # kept as blocks: the planner runs the products on them (plan/blockweights.py)
                 if hasattr(t, "dequantize") and not isinstance(t, np.ndarray):
                     t = t.dequantize()
                 return np.asarray(t)
