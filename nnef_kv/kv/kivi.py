@@ -16,8 +16,8 @@ Storage, per (batch, kv head), in sequence order::
 * Non-finite values (NaN, +-Inf) and, with f16 params, finite values with ``|x| > 16384`` never
   enter a group's min/max: they are kept exactly in a side table (head, position, channel, value;
   counted in ``nbytes()['full_precision']``, and on their own in ``['outliers']``), their code is
-  0, and attention adds their exact contribution back. So one NaN key makes the scores of that token NaN (as exact attention would)
-  without spoiling the range of the 31 other tokens of its group.
+  0, and attention adds their exact contribution back. So one NaN key makes the scores of that token NaN
+  (as exact attention would) without spoiling the range of the 31 other tokens of its group.
 * Optional accuracy options (NNEF attributes after the public ones): ``clip`` (MSE-optimal shrink of
   each group range, searched on a grid), ``rotate`` (orthonormal Hadamard rotation of head_dim for
   keys and/or values: ``"k"``, ``"v"``, ``"kv"``; q.k and p.V are preserved exactly in real arithmetic).
@@ -50,6 +50,10 @@ __all__ = ["KiviConfig", "KiviSdpa", "hadamard"]
 
 CODES_LAYOUT = 2  # saved in states: 2 = GroupCodec (token-planar inside groups); 1 was planar rows
 F16_SAFE = 16384.0  # with f16 params, |x| above this goes to the exact side table
+#: quantized values read (tokens x kv heads x head_dim) from which a call's attention runs on the numba
+#: kernels (when they apply, see ``KiviSdpa._kernel_ok``): below, the NumPy path is as fast and a short
+#: context never pays the kernels' first-call compilation (measured: benchmarks/kv_speed.py)
+KERNEL_WORK = 1 << 17
 _CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 
 
@@ -379,16 +383,25 @@ class KiviSdpa(BufferCheckpoint):
             k, v = k[:, ns:], v[:, ns:]
         if k.shape[1] == 0:
             return
-        wk = np.concatenate([self.res_k.view(), k], axis=1)
-        wv = np.concatenate([self.res_v.view(), v], axis=1)
+        self._store_window(np.concatenate([self.res_k.view(), k], axis=1),
+                           np.concatenate([self.res_v.view(), v], axis=1))
+
+    def _store_window(self, wk: np.ndarray, wv: np.ndarray) -> None:
+        """The window after a call: ``wk, wv`` (fresh ``[n, T, D]`` arrays of this state, storage dtype,
+        the old window then the call's non-sink tokens). Its oldest whole groups beyond ``residual`` are
+        quantized; the rest is held at its exact size (at most ``residual + key_group - 1`` tokens), the
+        arrays themselves when nothing was quantized."""
+        c = self.cfg
         total = wk.shape[1]
         ng = max(0, (total - c.residual) // c.key_group)
         nq = ng * c.key_group
         if nq:
             self._quantize_groups(wk[:, :nq].astype(np.float32), wv[:, :nq].astype(np.float32))
-        # the window is held at its exact size (at most residual + key_group - 1 tokens)
-        self.res_k.set_exact(wk[:, nq:])
-        self.res_v.set_exact(wv[:, nq:])
+            self.res_k.set_exact(wk[:, nq:])
+            self.res_v.set_exact(wv[:, nq:])
+        else:
+            self.res_k.adopt(wk)
+            self.res_v.adopt(wv)
 
     # =============================================================================== attention
     def _block_tokens(self, n: int) -> int:
@@ -426,6 +439,17 @@ class KiviSdpa(BufferCheckpoint):
             view = self._current_view()
         n = q.shape[0]
         work = view.tq * n * self.d
+        if work >= KERNEL_WORK and self._kernel_ok(q.shape[1], view):
+            from ..kernels.kivi_attention import decode_attention
+
+            c = self.cfg
+            return decode_attention(q, view.sink_k, view.sink_v, self.k_codes.view(0, view.tq),
+                                    self.k_min.view(0, view.tq // c.key_group),
+                                    self.k_step.view(0, view.tq // c.key_group), self.v_codes.view(0, view.tq),
+                                    self.v_min.view(0, view.tq), self.v_step.view(0, view.tq), view.res_k,
+                                    view.res_v, scale=c.scale, bits=c.bits, key_group=c.key_group,
+                                    value_group=c.value_group, sq=sq, is_causal=c.is_causal,
+                                    threads=min(self.threads, n))
         nth = min(self.threads, n) if work >= (1 << 20) else 1
         if nth <= 1:
             return self._attend_heads(q, sq, 0, n, 0, view)
@@ -437,6 +461,16 @@ class KiviSdpa(BufferCheckpoint):
         futs = [self._pool.submit(self._attend_heads, q[bounds[i]:bounds[i + 1]], sq, int(bounds[i]),
                                   int(bounds[i + 1]), i, view) for i in range(nth)]
         return np.concatenate([f.result() for f in futs], axis=0)
+
+    def _kernel_ok(self, m: int, view: _View) -> bool:
+        """The numba decode kernels (:mod:`nnef_kv.kernels.kivi_attention`) compute this call's attention:
+        numba is there (``NNEF_KV_NO_NUMBA`` unset), no outliers in the side table, no softcap, codes in
+        the byte or token-planar layout, a score matrix the two-pass path would take."""
+        from ..kernels import numba_available
+
+        return (not self.cfg.softcap and not len(self.k_out) and not len(self.v_out)
+                and self.codec.layout in ("bytes", "token_planar")
+                and self.b * self.hkv * m * view.total * 4 <= self.score_budget and numba_available())
 
     def _code_buffer(self, slot: int, n: int, rows: int) -> np.ndarray:
         buf = self._bufs.get(slot)
@@ -721,10 +755,18 @@ class KiviSdpa(BufferCheckpoint):
         attends exactly), then the call's tokens are stored by the usual rule."""
         qn, ks, vs, shape, out_dtype, rv = self._prepare(q, k, v)
         sq = shape[2]
-        view = self._call_view(ks, vs)
-        with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf follow f32 semantics, silently
-            out = self._attend(qn, sq, view) if view.total and sq else None
-        self._ingest(ks, vs)
+        if ks.shape[1] and self.sink_k.len >= self.cfg.sinks:  # no new sinks: the call's window read and kept
+            wk = np.concatenate([self.res_k.view(), ks], axis=1)
+            wv = np.concatenate([self.res_v.view(), vs], axis=1)
+            view = _View(self.sink_k.view(), self.sink_v.view(), wk, wv, self.n_quant, self.len + ks.shape[1])
+            with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf follow f32 semantics, silently
+                out = self._attend(qn, sq, view) if sq else None
+            self._store_window(wk, wv)
+        else:
+            view = self._call_view(ks, vs)
+            with np.errstate(invalid="ignore", over="ignore"):
+                out = self._attend(qn, sq, view) if view.total and sq else None
+            self._ingest(ks, vs)
         self.len += ks.shape[1]
         if out is None:
             return np.zeros(shape, out_dtype)
@@ -963,7 +1005,8 @@ class KiviSdpa(BufferCheckpoint):
         kq = (self.k_min.view().astype(np.float32)[:, :, None, :]
               + kc.reshape(n, tq // kg, kg, d) * self.k_step.view().astype(np.float32)[:, :, None, :]).reshape(n, tq, d)
         vc = self.codec.unpack(self.v_codes.view()).astype(np.float32).reshape(n, tq, self.nvg, self.vg)
-        vq = (self.v_min.view().astype(np.float32)[..., None] + vc * self.v_step.view().astype(np.float32)[..., None]).reshape(n, tq, d)
+        vq = (self.v_min.view().astype(np.float32)[..., None]
+              + vc * self.v_step.view().astype(np.float32)[..., None]).reshape(n, tq, d)
         h, pos, ch, val = self.k_out.in_range(0, tq)
         kq[h, pos, ch] = val
         h, pos, ch, val = self.v_out.in_range(0, tq)
