@@ -124,19 +124,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_any(path: Path) -> Any:
-    if path.suffix.lower() == ".onnx":
-        from .converters import onnx_to_nnef
-
-        got = onnx_to_nnef(str(path))
-        return got[0] if isinstance(got, tuple) else got
-    from .io.archive import load
-
-    return load(path)
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .converters import ConvertOptions, convert
+    from .converters import ConvertOptions, convert, frontends
     from .io.archive import save
     from .progress import progress_bar
 
@@ -145,7 +134,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
     out = _check_output_path(args.output, [src])
     t0 = time.perf_counter()
     with progress_bar(f"converting {src.name}", total=3) as advance:
-        model = _load_any(src)
+        model = frontends.load(src)
         advance()
         converted, report = convert(model, **opts.as_dict())
         advance()

@@ -71,12 +71,7 @@ class ConversionReport:
 
 def _load(model_or_path: Any) -> Any:
     if isinstance(model_or_path, (str, os.PathLike)):
-        from ..io.archive import load
-
-        if os.fspath(model_or_path).lower().endswith(".onnx"):
-            from .onnx_frontend import onnx_to_nnef
-
-            return onnx_to_nnef(model_or_path)[0]
+        from .frontends import load
 
         return load(model_or_path)
     if not hasattr(model_or_path, "document"):
