@@ -11,8 +11,8 @@ from .graph_edit import GraphEdit
 from .options import ConvertOptions
 from .attention import exporter_problems
 from .passes import (
-    AttentionPass,
-    CachePass,
+    LOOKED_FOR,
+    REWRITES,
     CacheShapeToSymbolPass,
     CleanupPass,
     ConversionContext,
@@ -24,11 +24,7 @@ from .passes import (
 QUANTIZED_KV_OPS = ("tract_transformers_quantized_dyn_kv_cache", "tract_transformers_quantized_kv_sdpa",
                     "nnef_kv_kivi_sdpa", "nnef_kv_ggml_sdpa", "nnef_kv_hf_quantized_sdpa")
 
-LOOKED_FOR = (
-    "attention: q . K^T (matmul or tract_core_einsum, through casts), then casts / constant scales / tanh "
-    "softcapping / an additive mask, softmax, then p . V (matmul or einsum); or tract_transformers_sdpa; with K/V "
-    "from concat([cache input, new], axis = 2) or tract_transformers_dyn_kv_cache"
-)
+__all__ = ["convert", "convert_file", "ConversionReport", "QUANTIZED_KV_OPS", "LOOKED_FOR"]
 
 
 @dataclass
@@ -39,7 +35,7 @@ class ConversionReport:
     options: ConvertOptions
     passes: list[PassReport] = field(default_factory=list)
     attentions: list[str] = field(default_factory=list)
-    caches: list[str] = field(default_factory=list)  # tract-cache: the caches replaced
+    caches: list[str] = field(default_factory=list)  # cache schemes (tract-cache): the caches replaced
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     tensors_removed: list[str] = field(default_factory=list)
@@ -58,9 +54,7 @@ class ConversionReport:
 
     def to_text(self) -> str:
         o = self.options
-        head = [f"converted {self.source} with scheme {o.scheme} (bits {o.bits}"
-                + (f", key_group {o.key_group}, value_group {o.value_group}, residual {o.residual}, sinks {o.sinks}"
-                   if o.scheme == "kivi" else "") + ")",
+        head = [f"converted {self.source} with scheme {o.scheme} ({o.scheme_object.settings_text(o.scheme_options)})",
                 f"attentions converted: {len(self.attentions)}"]
         head += [f"  {a}" for a in self.attentions]
         head.append(f"inputs: {', '.join(self.inputs)}; outputs: {', '.join(self.outputs)}")
@@ -79,15 +73,21 @@ def _load(model_or_path: Any) -> Any:
     return model_or_path
 
 
-def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: int = 32, value_group: int = 32,
-            residual: int = 32, sinks: int = 0) -> tuple[Any, ConversionReport]:
-    """Convert a decoder (``Model`` or archive path) to a quantized-KV model.
+def convert(model_or_path: Any, scheme: str = "kivi", bits: int | None = None, key_group: int | None = None,
+            value_group: int | None = None, residual: int | None = None, sinks: int | None = None,
+            **scheme_options: Any) -> tuple[Any, ConversionReport]:
+    """Convert a decoder (``Model``, or a path any front end reads: :mod:`.frontends`) to a quantized-KV model.
 
+    ``scheme`` names a :data:`nnef_kv.kv.schemes.SCHEMES` entry; the other keywords are its options (an
+    option left out or None takes the scheme's default: kivi's are bits 4, key_group 32, value_group 32,
+    residual 32, sinks 0; ``scheme_options``: those of schemes that take others).
     Returns a new :class:`~nnef_kv.Model` (the input is not modified) and a :class:`ConversionReport`.
     Raises :class:`~nnef_kv.errors.ConversionError` for a bad option (before any work), a graph
     with no attention the passes recognise, or attention without a KV cache.
     """
-    options = ConvertOptions(scheme, bits, key_group, value_group, residual, sinks).validate()
+    options = ConvertOptions.of(scheme, bits=bits, key_group=key_group, value_group=value_group,
+                                residual=residual, sinks=sinks, **scheme_options)
+    s = options.scheme_object
     model = _load(model_or_path)
     where = str(getattr(model, "source", None) or "<model>")
     tensors = getattr(model, "tensors", {}) or {}
@@ -98,31 +98,22 @@ def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: 
     if problems:
         raise ConversionError(problems[0])
     report.passes.append(NormalizePass().run(ctx))
-    if options.scheme == "tract-cache":
-        report.passes.append(CachePass().run(ctx))
-        done = bool(ctx.caches)
-    else:
-        report.passes.append(AttentionPass().run(ctx))
-        done = bool(ctx.blocks)
-    if not done:
+    rewrite = REWRITES[s.rewrite]
+    report.passes.append(rewrite().run(ctx))
+    if not rewrite.converted(ctx):
         held = [(n.name, n.op) for n in g.nodes if n.op in QUANTIZED_KV_OPS]
         if held:
             raise ConversionError(f"{where}: the graph already holds a quantized KV cache ({held[0][1]} "
                                   f"'{held[0][0]}'); nothing to convert")
         if ctx.misses:
             raise ConversionError(f"{where}: {ctx.misses[0].message()}; nothing to convert")
-        if options.scheme == "tract-cache":
-            raise ConversionError(f"{where}: no KV cache found: looked for concat([cache input, new], axis = 2) with "
-                                  "the cache a graph input, or tract_transformers_dyn_kv_cache; nothing to convert")
-        raise ConversionError(f"{where}: no attention found: looked for {LOOKED_FOR}; nothing to convert")
+        raise ConversionError(f"{where}: {rewrite.nothing_found}; nothing to convert")
     report.passes.append(CacheShapeToSymbolPass().run(ctx))
     report.passes.append(PositionBindingPass().run(ctx))
     report.passes.append(CleanupPass().run(ctx, model))
     report.attentions = [b.describe() for b in (ctx.blocks or ctx.found)]
     report.caches = [f"{c.role}s: '{c.full}' ({c.kind})" for c in ctx.caches]
-    if options.scheme == "tract" and options.bits != 8:
-        report.passes[-1].notes.append(f"bits={options.bits} ignored: {'tract_transformers_quantized_kv_sdpa'} "
-                                       "stores 8-bit codes")
+    report.passes[-1].notes.extend(s.notes(ctx.settings))
     doc = g.document()
     new_model = _rebuild(model, doc, report)
     report.inputs = list(g.inputs)
