@@ -492,7 +492,7 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("archive", help="NNEF folder, .tar or .tgz")
 
     sp = sub.add_parser("convert", help="rewrite a decoder's attention/KV cache to a quantized KV cache")
-    sp.add_argument("input", help="NNEF folder, .tar, .tgz, or .onnx")
+    sp.add_argument("input", help="NNEF folder, .tar, .tgz, graph.nnef, or .onnx (converters/frontends)")
     sp.add_argument("-o", "--output", required=True, help="output archive (folder, .tar, .tgz)")
     add_convert_arguments(sp)  # --scheme and the schemes' flags (nnef_kv.kv.schemes)
 

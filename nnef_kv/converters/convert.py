@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ConversionError
+from ..kv.schemes import DEFAULT_SCHEME
 from .graph_edit import GraphEdit
 from .options import ConvertOptions
 from .attention import exporter_problems
@@ -73,7 +74,7 @@ def _load(model_or_path: Any) -> Any:
     return model_or_path
 
 
-def convert(model_or_path: Any, scheme: str = "kivi", bits: int | None = None, key_group: int | None = None,
+def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, bits: int | None = None, key_group: int | None = None,
             value_group: int | None = None, residual: int | None = None, sinks: int | None = None,
             **scheme_options: Any) -> tuple[Any, ConversionReport]:
     """Convert a decoder (``Model``, or a path any front end reads: :mod:`.frontends`) to a quantized-KV model.

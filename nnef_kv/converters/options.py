@@ -40,7 +40,7 @@ class ConvertOptions:
     :meth:`validate` is the scheme's own check (:meth:`nnef_kv.kv.schemes.Scheme.validate`).
     """
 
-    scheme: str = "kivi"
+    scheme: str = _schemes.DEFAULT_SCHEME
     bits: int = 4
     key_group: int = 32
     value_group: int = 32
