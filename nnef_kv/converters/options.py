@@ -46,7 +46,7 @@ class ConvertOptions:
     value_group: int = 32
     residual: int = 32
     sinks: int = 0
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @classmethod
     def of(cls, scheme: str = _schemes.DEFAULT_SCHEME, **values: Any) -> "ConvertOptions":
