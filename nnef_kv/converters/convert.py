@@ -12,7 +12,6 @@ from .graph_edit import GraphEdit
 from .options import ConvertOptions
 from .attention import exporter_problems
 from .passes import (
-    LOOKED_FOR,
     REWRITES,
     CacheShapeToSymbolPass,
     CleanupPass,
@@ -24,8 +23,6 @@ from .passes import (
 
 QUANTIZED_KV_OPS = ("tract_transformers_quantized_dyn_kv_cache", "tract_transformers_quantized_kv_sdpa",
                     "nnef_kv_kivi_sdpa", "nnef_kv_ggml_sdpa", "nnef_kv_hf_quantized_sdpa")
-
-__all__ = ["convert", "convert_file", "ConversionReport", "QUANTIZED_KV_OPS", "LOOKED_FOR"]
 
 
 @dataclass
@@ -99,9 +96,10 @@ def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, bits: int | None =
     if problems:
         raise ConversionError(problems[0])
     report.passes.append(NormalizePass().run(ctx))
-    rewrite = REWRITES[s.rewrite]
+    rewrite = REWRITES[s.rewrite]  # the scheme's rewrite pass
     report.passes.append(rewrite().run(ctx))
-    if not rewrite.converted(ctx):
+    done = rewrite.converted(ctx)
+    if not done:
         held = [(n.name, n.op) for n in g.nodes if n.op in QUANTIZED_KV_OPS]
         if held:
             raise ConversionError(f"{where}: the graph already holds a quantized KV cache ({held[0][1]} "

@@ -37,16 +37,12 @@ from typing import Any
 from ..errors import ConversionError
 from ..grammar import ast as A
 from ..kv.schemes import SCHEMES, TRACT_EXTENSIONS, AttentionSite, CacheSite, Scheme
-from .attention import DYN_CACHE_OP, AttentionBlock, CacheSource, Miss, find_attention, find_caches
+from .attention import (DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention,
+                        find_caches)
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
 from .options import ConvertOptions
 
 POSITION_CACHE = "nnef_kv_positions"
-LOOKED_FOR = (
-    "attention: q . K^T (matmul or tract_core_einsum, through casts), then casts / constant scales / tanh "
-    "softcapping / an additive mask, softmax, then p . V (matmul or einsum); or tract_transformers_sdpa; with K/V "
-    "from concat([cache input, new], axis = 2) or tract_transformers_dyn_kv_cache"
-)
 
 
 @dataclass
