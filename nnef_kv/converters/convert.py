@@ -6,8 +6,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..errors import ConversionError
 from ..kv.schemes import DEFAULT_SCHEME
+from ..errors import ConversionError
 from .graph_edit import GraphEdit
 from .options import ConvertOptions
 from .attention import exporter_problems
