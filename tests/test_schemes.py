@@ -153,7 +153,8 @@ def test_cli_scheme_choices_and_flags_come_from_the_registry():
 def test_cli_prints_the_schemes_bits(f32, tmp_path, capsys):
     assert main(["convert", str(f32), "-o", str(tmp_path / "t.nnef.tar"), "--scheme", "tract"]) == 0
     assert "with scheme tract, 8 (fixed) bits ->" in capsys.readouterr().out
-    assert main(["convert", str(f32), "-o", str(tmp_path / "c.nnef.tar"), "--scheme", "tract-cache", "--bits", "8"]) == 0
+    out = tmp_path / "c.nnef.tar"
+    assert main(["convert", str(f32), "-o", str(out), "--scheme", "tract-cache", "--bits", "8"]) == 0
     assert "with scheme tract-cache, 8 bits ->" in capsys.readouterr().out
 
 

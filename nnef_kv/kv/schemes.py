@@ -153,8 +153,9 @@ class Scheme:
             if k in mine or v is None:
                 continue
             owner = next((s for s in SCHEMES.values() if k in s.option_names), None)
+            takes = ", ".join(self.option_names) or "none"
             bad = owner.check({k: v}) if owner is not None else Problem(
-                k, v, f"not an option of any scheme (scheme {self.name} takes {', '.join(self.option_names) or 'none'})")
+                k, v, f"not an option of any scheme (scheme {self.name} takes {takes})")
         if bad is not None:
             raise ConversionError(f"option {bad}")
         return self.options(**own)
@@ -204,8 +205,9 @@ SCHEMES: dict[str, Scheme] = {
         doc="nnef-kv's accurate op: KIVI codes (keys per channel, values per token), a full-precision window "
             "and sinks, causal mask built in"),
     "tract": Scheme(
-        name="tract", op="tract_transformers_quantized_kv_sdpa", summary="tract_transformers_quantized_kv_sdpa (8 bits)",
-        rewrite="attention", options=TractOptions, check=lambda values: first_problem(values, TRACT_SETTINGS),
+        name="tract", op="tract_transformers_quantized_kv_sdpa",
+        summary="tract_transformers_quantized_kv_sdpa (8 bits)", rewrite="attention", options=TractOptions,
+        check=lambda values: first_problem(values, TRACT_SETTINGS),
         make_attributes=_tract_attributes, extensions=TRACT_EXTENSIONS, fixed_bits=8, notes=_tract_notes,
         mask_note="attention '{output}': mask '{mask}' dropped: {op} has no causal mask (a multi-token call "
                   "attends to its whole cache)",

@@ -3,10 +3,10 @@
 Builds the small LLaMA-style decoder of :mod:`nnef_kv.models` (f32, explicit cache, deterministic
 weights, 256 ids read by a byte-level tokenizer), converts it with each scheme whose ``demo`` is
 ``"bits"`` (``kivi``) at each requested bit width and with each whose ``demo`` is ``"tract"``
-(``tract``: tract's fused u8 op, at its fixed bits; left out by ``--no-tract``), and validates every conversion against the f32
-model on the text shipped with the package (the Declaration of Independence): at each context, the
-prompt is prefilled and the next ``eval_tokens`` tokens of the text are teacher-forced (see
-:mod:`.runner`). The contexts are past the full-precision window, so the quantized cache is what is
+(``tract``: tract's fused u8 op, at its fixed bits; left out by ``--no-tract``), and validates every
+conversion against the f32 model on the text shipped with the package (the Declaration of
+Independence): at each context, the prompt is prefilled and the next ``eval_tokens`` tokens of the
+text are teacher-forced (see :mod:`.runner`). The contexts are past the full-precision window, so the quantized cache is what is
 measured. One row per model and context.
 """
 from __future__ import annotations
