@@ -45,6 +45,7 @@ import numpy as np
 from ..errors import GraphError, InputError, StateError
 from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, f16_to_f32
 from .packing import GroupCodec
+from .settings import IntSetting, Problem, first_problem
 
 __all__ = ["KiviConfig", "KiviSdpa", "hadamard"]
 
@@ -66,6 +67,17 @@ def hadamard(d: int) -> np.ndarray:
     return (qm * np.sign(np.diag(r))).astype(np.float32)
 
 
+#: the integer settings of the op; scheme ``kivi`` checks its options with :func:`kivi_problem` too
+KIVI_SETTINGS = {"bits": IntSetting(1, 8, reason="scheme kivi takes 1..8 bits"), "key_group": IntSetting(1),
+                 "value_group": IntSetting(1), "residual": IntSetting(0), "sinks": IntSetting(0),
+                 "block_tokens": IntSetting(0)}
+
+
+def kivi_problem(**values: object) -> Problem | None:
+    """The first bad KIVI setting among ``values`` (names of :data:`KIVI_SETTINGS`), or None."""
+    return first_problem(values, KIVI_SETTINGS)
+
+
 @dataclass(frozen=True)
 class KiviConfig:
     """The op's attributes (names as in the NNEF declaration)."""
@@ -84,14 +96,10 @@ class KiviConfig:
     softcap: float = 0.0  # > 0: scores softcapped, softcap * tanh(scores / softcap) (Gemma 2); 0: none
 
     def validate(self, who: str) -> None:
-        if not 1 <= self.bits <= 8:
-            raise GraphError(f"{who}: bits must be in 1..8, got {self.bits}")
-        for nm in ("key_group", "value_group"):
-            if getattr(self, nm) < 1:
-                raise GraphError(f"{who}: {nm} must be >= 1, got {getattr(self, nm)}")
-        for nm in ("residual", "sinks", "block_tokens"):
-            if getattr(self, nm) < 0:
-                raise GraphError(f"{who}: {nm} must be >= 0, got {getattr(self, nm)}")
+        bad = kivi_problem(bits=self.bits, key_group=self.key_group, value_group=self.value_group,
+                           residual=self.residual, sinks=self.sinks, block_tokens=self.block_tokens)
+        if bad is not None:
+            raise GraphError(f"{who}: {bad}")
         if self.rotate not in ("none", "", "k", "v", "kv"):
             raise GraphError(f"{who}: rotate must be one of none, k, v, kv, got {self.rotate!r}")
         if self.params not in ("f16", "f32"):

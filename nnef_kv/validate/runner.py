@@ -472,13 +472,11 @@ def _measure(dec: Any, ids: Sequence[int], ctx: int, n: int, chunk: int | None,
 
 
 def _kv_op_settings(dec: InterpreterDecoder) -> list[dict[str, Any]]:
+    from ..kv.schemes import report_settings
+
     out = []
     for node, st in dec.quantized_ops():
-        keys = ("bits", "key_group", "value_group", "residual", "sinks", "per_channel", "scale")
-        attrs = {k: v for k, v in node.attrs.items() if k in keys and isinstance(v, (int, float, bool, str))}
-        if node.op == "tract_transformers_quantized_kv_sdpa":
-            attrs["bits"] = 8
-        settings = ", ".join(f"{k} {v}" for k, v in attrs.items() if k != "scale")
+        settings = report_settings(node.op, node.attrs)  # what the schemes writing the op show (fixed bits too)
         out.append({"node": node.name, "op": node.op, "settings": settings, "fp_window": int(st.fp_window),
                     "window": getattr(st, "window_text", "")})
     return out
