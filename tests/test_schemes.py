@@ -178,7 +178,7 @@ def _window_check(values):
 
 FAKE = S.Scheme(name="kivi-window", op="nnef_kv_kivi_sdpa", summary="nnef_kv_kivi_sdpa, groups of 8 (test)",
                 rewrite="attention", options=WindowOptions, check=_window_check, make_attributes=_window_attributes,
-                extensions=(("nnef_kv", ""),), softcap=False, mask_note="attention '{output}': mask '{mask}' gone",
+                softcap=False, mask_note="attention '{output}': mask '{mask}' gone",
                 notes=lambda o: [f"fake scheme, window {o.window}"], reported=("bits", "residual"), demo="bits")
 
 

@@ -36,7 +36,8 @@ from typing import Any
 
 from ..errors import ConversionError
 from ..grammar import ast as A
-from ..kv.schemes import SCHEMES, TRACT_EXTENSIONS, AttentionSite, CacheSite, Scheme
+from ..interpreter.catalog import extensions_for, ops_with
+from ..kv.schemes import SCHEMES, AttentionSite, CacheSite, Scheme
 from .attention import (DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention,
                         find_caches)
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
@@ -515,8 +516,8 @@ class CleanupPass:
         ctx.dead_code()
         rep.nodes_removed = sorted(before - {n.name for n in g.nodes})
         ops = {n.op for n in g.nodes}
-        needed = list(TRACT_EXTENSIONS) if DYN_CACHE_OP in ops else []
-        needed += [e for s in SCHEMES.values() if s.op in ops for e in s.extensions]
+        kv_ops = ops_with(role="kv-cache") | ops_with(role="attention+kv")  # what a scheme writes
+        needed = [e for op in sorted(ops & kv_ops) for e in extensions_for(op)]
         needed.sort(key=lambda e: e[0] != "tract_registry")  # tract's registries first (stable)
         for name, argument in dict.fromkeys(needed):
             if g.add_extension(name, argument):

@@ -6,7 +6,8 @@ dataclass whose fields carry the defaults, CLI flags and help) with their one ch
 converter rewrites the graph for it (``rewrite``: ``"attention"``, each recognised attention becomes
 one call of the op; ``"cache"``, each KV cache becomes one call of the op and the attention stays),
 the op's attributes for one site (:meth:`Scheme.attributes`), what the fused op can express
-(softcap, causal mask), its notes, the registry extensions its op needs, and its rows in ``demo``.
+(softcap, causal mask), its notes, and its rows in ``demo`` (the extensions its op needs come from the
+op's registration).
 
 The converter passes, ``convert``, the CLI (``--scheme`` choices and the option flags), ``demo`` and
 ``validate`` read these objects; none of them names a scheme. A new scheme is one entry here (and
@@ -26,11 +27,9 @@ from .settings import IntSetting, Problem, first_problem
 
 __all__ = ["Scheme", "SCHEMES", "DEFAULT_SCHEME", "AttentionSite", "CacheSite", "OptionSpec", "option", "scheme",
            "scheme_names", "all_options", "schemes_writing", "fixed_bits", "report_settings", "Problem",
-           "KiviOptions", "TractOptions", "TractCacheOptions", "TRACT_EXTENSIONS"]
+           "KiviOptions", "TractOptions", "TractCacheOptions"]
 
 DEFAULT_SCHEME = "kivi"
-#: the registry extensions a tract_transformers op needs (tract_core first, as tract writes them)
-TRACT_EXTENSIONS = (("tract_registry", "tract_core"), ("tract_registry", "tract_transformers"))
 #: attributes a validation report shows for a KV op no scheme writes (nnef_kv_ggml_sdpa, ...)
 REPORTED_BY_DEFAULT = ("bits", "key_group", "value_group", "residual", "sinks", "per_channel")
 
@@ -121,7 +120,6 @@ class Scheme:
     options: type  # its options dataclass (fields made with option())
     check: Callable[[Mapping[str, Any]], Problem | None]  # the one check of (some of) its options' values
     make_attributes: Callable[[Any, Any], dict[str, Any]]  # (options, site) -> the op's attributes, in order
-    extensions: tuple[tuple[str, str], ...] = ()  # registry extensions the op needs, (name, argument)
     softcap: bool = False  # attention schemes: the op computes tanh softcapping
     mask_note: str = ""  # attention schemes: what becomes of a mask ({output}, {mask}, {op})
     fixed_bits: int | None = None  # the op stores this many bits whatever the bits option
@@ -129,6 +127,13 @@ class Scheme:
     reported: tuple[str, ...] = ()  # attributes of the op a validation report shows
     demo: str | None = None  # "bits": demo rows at each --bits width; "tract": one row, dropped by --no-tract
     doc: str = ""
+
+    @property
+    def extensions(self) -> tuple[tuple[str, str], ...]:
+        """The extension lines (name, argument) an archive holding the op declares (from its registration)."""
+        from ..interpreter.catalog import extensions_for
+
+        return extensions_for(self.op)
 
     @property
     def option_specs(self) -> tuple[OptionSpec, ...]:
@@ -199,7 +204,7 @@ SCHEMES: dict[str, Scheme] = {
     "kivi": Scheme(
         name="kivi", op="nnef_kv_kivi_sdpa", summary="nnef_kv_kivi_sdpa (1..8 bits)", rewrite="attention",
         options=KiviOptions, check=lambda values: kivi_problem(**values), make_attributes=_kivi_attributes,
-        extensions=(("nnef_kv", ""),), softcap=True,
+        softcap=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("bits", "key_group", "value_group", "residual", "sinks"), demo="bits",
         doc="nnef-kv's accurate op: KIVI codes (keys per channel, values per token), a full-precision window "
@@ -208,7 +213,7 @@ SCHEMES: dict[str, Scheme] = {
         name="tract", op="tract_transformers_quantized_kv_sdpa",
         summary="tract_transformers_quantized_kv_sdpa (8 bits)", rewrite="attention", options=TractOptions,
         check=lambda values: first_problem(values, TRACT_SETTINGS),
-        make_attributes=_tract_attributes, extensions=TRACT_EXTENSIONS, fixed_bits=8, notes=_tract_notes,
+        make_attributes=_tract_attributes, fixed_bits=8, notes=_tract_notes,
         mask_note="attention '{output}': mask '{mask}' dropped: {op} has no causal mask (a multi-token call "
                   "attends to its whole cache)",
         demo="tract", doc="tract's fused op (u8 codes; no causal mask: a multi-token call attends to its whole cache)"),
@@ -216,7 +221,7 @@ SCHEMES: dict[str, Scheme] = {
         name="tract-cache", op="tract_transformers_quantized_dyn_kv_cache",
         summary="tract_transformers_quantized_dyn_kv_cache (4 or 8 bits)", rewrite="cache", options=TractCacheOptions,
         check=lambda values: first_problem(values, TRACT_CACHE_SETTINGS), make_attributes=_tract_cache_attributes,
-        extensions=TRACT_EXTENSIONS, reported=("bits", "per_channel"),
+        reported=("bits", "per_channel"),
         doc="each cache becomes tract's quantized dyn cache (keys per channel, values per token); the attention "
             "is left as exported"),
 }
