@@ -8,7 +8,8 @@ import numpy as np
 from ..errors import InputError, StateError
 from ..interpreter.registry import KvState
 
-__all__ = ["round_half_away", "GrowBuffer", "BufferCheckpoint", "KvState", "as_f32", "f16_to_f32", "expect_state", "check_qkv", "stepwise_loop"]
+__all__ = ["round_half_away", "GrowBuffer", "BufferCheckpoint", "KvState", "as_f32", "f16_to_f32", "expect_state",
+           "check_qkv", "stepwise_loop"]
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
