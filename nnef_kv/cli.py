@@ -124,28 +124,18 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _load_any(path: Path) -> Any:
-    if path.suffix.lower() == ".onnx":
-        from .converters import onnx_to_nnef
-
-        got = onnx_to_nnef(str(path))
-        return got[0] if isinstance(got, tuple) else got
-    from .io.archive import load
-
-    return load(path)
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
-    from .converters import ConvertOptions, convert
+    from .converters import convert, frontends
+    from .converters.options import from_arguments
     from .io.archive import save
     from .progress import progress_bar
 
-    opts = ConvertOptions(args.scheme, args.bits, args.key_group, args.value_group, args.residual, args.sinks).validate()
+    opts = from_arguments(args)
     src = _existing_path(args.input)
     out = _check_output_path(args.output, [src])
     t0 = time.perf_counter()
     with progress_bar(f"converting {src.name}", total=3) as advance:
-        model = _load_any(src)
+        model = frontends.load(src)
         advance()
         converted, report = convert(model, **opts.as_dict())
         advance()
@@ -153,7 +143,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
         advance()
     for line in getattr(report, "attentions", []) or []:
         print(f"  {line}")
-    bits = "8 (fixed)" if opts.scheme == "tract" else str(opts.bits)
+    bits = opts.scheme_object.bits_text(opts.scheme_options)
     print(f"converted {len(getattr(report, 'attentions', []) or [])} attention block(s) of {src} with scheme "
           f"{opts.scheme}, {bits} bits -> {out} ({time.perf_counter() - t0:.2f} s)")
     return EXIT_OK
@@ -445,12 +435,12 @@ def cmd_validate(args: argparse.Namespace) -> int:
 def cmd_demo(args: argparse.Namespace) -> int:
     from .models import DecoderConfig
     from .progress import progress_bar
-    from .validate.demo import DemoOptions, format_table, run_demo
+    from .validate.demo import DemoOptions, bits_problem, format_table, run_demo
 
     bits = _parse_ids(args.bits, "--bits") or []
     for b in bits:
-        if not 1 <= b <= 8:
-            raise CliError(f"--bits {b}: kivi takes 1..8 bits")
+        if bits_problem(b):
+            raise CliError(f"--bits {b}: {bits_problem(b)}")
     contexts = _parse_contexts(args.context) or []
     for c in contexts:
         _int_at_least("--context", c, 1)
@@ -487,6 +477,8 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .converters.options import add_arguments as add_convert_arguments
+
     p = _Parser(prog="nnef-kv", description="NNEF archives with a quantized KV cache.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors (accepted anywhere)")
     lim = p.add_argument_group("resource limits for untrusted archives (defaults: nnef_kv.limits.Limits)")
@@ -500,16 +492,9 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("archive", help="NNEF folder, .tar or .tgz")
 
     sp = sub.add_parser("convert", help="rewrite a decoder's attention/KV cache to a quantized KV cache")
-    sp.add_argument("input", help="NNEF folder, .tar, .tgz, or .onnx")
+    sp.add_argument("input", help="NNEF folder, .tar, .tgz, graph.nnef, or .onnx (converters/frontends)")
     sp.add_argument("-o", "--output", required=True, help="output archive (folder, .tar, .tgz)")
-    sp.add_argument("--scheme", default="kivi", choices=["kivi", "tract", "tract-cache"],
-                    help="kivi: nnef_kv_kivi_sdpa (1..8 bits); tract: tract_transformers_quantized_kv_sdpa (8 bits); "
-                         "tract-cache: tract_transformers_quantized_dyn_kv_cache (4 or 8 bits)")
-    sp.add_argument("--bits", type=int, default=4)
-    sp.add_argument("--key-group", type=int, default=32)
-    sp.add_argument("--value-group", type=int, default=32)
-    sp.add_argument("--residual", type=int, default=32, help="newest tokens kept in full precision")
-    sp.add_argument("--sinks", type=int, default=0, help="first tokens kept in full precision")
+    add_convert_arguments(sp)  # --scheme and the schemes' flags (nnef_kv.kv.schemes)
 
     sp = sub.add_parser("run", help="run an archive on inputs from an .npz, one or several steps",
                         description="NPZ keys: NAME (every step) or NAME@K (step K). Missing explicit caches are fed "

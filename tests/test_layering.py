@@ -35,6 +35,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv.models", "nnef_kv.samples", "nnef_kv.text", "nnef_kv.summary"),
     ("nnef_kv.converters.graph_edit", "nnef_kv.converters.attention"),
     ("nnef_kv.kv.schemes",),
+    ("nnef_kv.converters.frontends",),
     ("nnef_kv.converters",),
     ("nnef_kv.validate",),
     ("nnef_kv.cli", "nnef_kv.__main__"),

@@ -37,6 +37,12 @@ SOFTMAX_OPS = ("softmax",)
 DYN_CACHE_OP = "tract_transformers_dyn_kv_cache"
 #: what a score transform may be, for messages
 SCORE_TRANSFORMS = "a cast, a constant scale (mul/div by a scalar), tanh softcapping or an additive mask"
+#: what :func:`find_attention` looks for, in the "no attention found" message
+LOOKED_FOR = (
+    "attention: q . K^T (matmul or tract_core_einsum, through casts), then casts / constant scales / tanh "
+    "softcapping / an additive mask, softmax, then p . V (matmul or einsum); or tract_transformers_sdpa; with K/V "
+    "from concat([cache input, new], axis = 2) or tract_transformers_dyn_kv_cache"
+)
 
 
 @dataclass

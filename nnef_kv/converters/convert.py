@@ -6,14 +6,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from ..kv.schemes import DEFAULT_SCHEME
 from ..errors import ConversionError
 from ..interpreter.catalog import ops_with
 from .graph_edit import GraphEdit
 from .options import ConvertOptions
 from .attention import exporter_problems
 from .passes import (
-    AttentionPass,
-    CachePass,
+    REWRITES,
     CacheShapeToSymbolPass,
     CleanupPass,
     ConversionContext,
@@ -22,12 +22,6 @@ from .passes import (
     PositionBindingPass,
 )
 
-
-LOOKED_FOR = (
-    "attention: q . K^T (matmul or tract_core_einsum, through casts), then casts / constant scales / tanh "
-    "softcapping / an additive mask, softmax, then p . V (matmul or einsum); or tract_transformers_sdpa; with K/V "
-    "from concat([cache input, new], axis = 2) or tract_transformers_dyn_kv_cache"
-)
 
 
 @dataclass
@@ -38,7 +32,7 @@ class ConversionReport:
     options: ConvertOptions
     passes: list[PassReport] = field(default_factory=list)
     attentions: list[str] = field(default_factory=list)
-    caches: list[str] = field(default_factory=list)  # tract-cache: the caches replaced
+    caches: list[str] = field(default_factory=list)  # cache schemes (tract-cache): the caches replaced
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     tensors_removed: list[str] = field(default_factory=list)
@@ -57,9 +51,7 @@ class ConversionReport:
 
     def to_text(self) -> str:
         o = self.options
-        head = [f"converted {self.source} with scheme {o.scheme} (bits {o.bits}"
-                + (f", key_group {o.key_group}, value_group {o.value_group}, residual {o.residual}, sinks {o.sinks}"
-                   if o.scheme == "kivi" else "") + ")",
+        head = [f"converted {self.source} with scheme {o.scheme} ({o.scheme_object.settings_text(o.scheme_options)})",
                 f"attentions converted: {len(self.attentions)}"]
         head += [f"  {a}" for a in self.attentions]
         head.append(f"inputs: {', '.join(self.inputs)}; outputs: {', '.join(self.outputs)}")
@@ -70,12 +62,7 @@ class ConversionReport:
 
 def _load(model_or_path: Any) -> Any:
     if isinstance(model_or_path, (str, os.PathLike)):
-        from ..io.archive import load
-
-        if os.fspath(model_or_path).lower().endswith(".onnx"):
-            from .onnx_frontend import onnx_to_nnef
-
-            return onnx_to_nnef(model_or_path)[0]
+        from .frontends import load
 
         return load(model_or_path)
     if not hasattr(model_or_path, "document"):
@@ -83,15 +70,21 @@ def _load(model_or_path: Any) -> Any:
     return model_or_path
 
 
-def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: int = 32, value_group: int = 32,
-            residual: int = 32, sinks: int = 0) -> tuple[Any, ConversionReport]:
-    """Convert a decoder (``Model`` or archive path) to a quantized-KV model.
+def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, bits: int | None = None, key_group: int | None = None,
+            value_group: int | None = None, residual: int | None = None, sinks: int | None = None,
+            **scheme_options: Any) -> tuple[Any, ConversionReport]:
+    """Convert a decoder (``Model``, or a path any front end reads: :mod:`.frontends`) to a quantized-KV model.
 
+    ``scheme`` names a :data:`nnef_kv.kv.schemes.SCHEMES` entry; the other keywords are its options (an
+    option left out or None takes the scheme's default: kivi's are bits 4, key_group 32, value_group 32,
+    residual 32, sinks 0; ``scheme_options``: those of schemes that take others).
     Returns a new :class:`~nnef_kv.Model` (the input is not modified) and a :class:`ConversionReport`.
     Raises :class:`~nnef_kv.errors.ConversionError` for a bad option (before any work), a graph
     with no attention the passes recognise, or attention without a KV cache.
     """
-    options = ConvertOptions(scheme, bits, key_group, value_group, residual, sinks).validate()
+    options = ConvertOptions.of(scheme, bits=bits, key_group=key_group, value_group=value_group,
+                                residual=residual, sinks=sinks, **scheme_options)
+    s = options.scheme_object
     model = _load(model_or_path)
     where = str(getattr(model, "source", None) or "<model>")
     tensors = getattr(model, "tensors", {}) or {}
@@ -102,12 +95,9 @@ def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: 
     if problems:
         raise ConversionError(problems[0])
     report.passes.append(NormalizePass().run(ctx))
-    if options.scheme == "tract-cache":
-        report.passes.append(CachePass().run(ctx))
-        done = bool(ctx.caches)
-    else:
-        report.passes.append(AttentionPass().run(ctx))
-        done = bool(ctx.blocks)
+    rewrite = REWRITES[s.rewrite]  # the scheme's rewrite pass
+    report.passes.append(rewrite().run(ctx))
+    done = rewrite.converted(ctx)
     if not done:
         quantized = ops_with(quantized=True)  # every op registered with a quantized KV state
         held = [(n.name, n.op) for n in g.nodes if n.op in quantized]
@@ -116,18 +106,13 @@ def convert(model_or_path: Any, scheme: str = "kivi", bits: int = 4, key_group: 
                                   f"'{held[0][0]}'); nothing to convert")
         if ctx.misses:
             raise ConversionError(f"{where}: {ctx.misses[0].message()}; nothing to convert")
-        if options.scheme == "tract-cache":
-            raise ConversionError(f"{where}: no KV cache found: looked for concat([cache input, new], axis = 2) with "
-                                  "the cache a graph input, or tract_transformers_dyn_kv_cache; nothing to convert")
-        raise ConversionError(f"{where}: no attention found: looked for {LOOKED_FOR}; nothing to convert")
+        raise ConversionError(f"{where}: {rewrite.nothing_found}; nothing to convert")
     report.passes.append(CacheShapeToSymbolPass().run(ctx))
     report.passes.append(PositionBindingPass().run(ctx))
     report.passes.append(CleanupPass().run(ctx, model))
     report.attentions = [b.describe() for b in (ctx.blocks or ctx.found)]
     report.caches = [f"{c.role}s: '{c.full}' ({c.kind})" for c in ctx.caches]
-    if options.scheme == "tract" and options.bits != 8:
-        report.passes[-1].notes.append(f"bits={options.bits} ignored: {'tract_transformers_quantized_kv_sdpa'} "
-                                       "stores 8-bit codes")
+    report.passes[-1].notes.extend(s.notes(ctx.settings))
     doc = g.document()
     new_model = _rebuild(model, doc, report)
     report.inputs = list(g.inputs)

@@ -5,11 +5,13 @@ Order used by :func:`nnef_kv.converters.convert`:
 
 1. :class:`NormalizePass` -- one definition per name (see :meth:`GraphEdit.make_ssa`), document fragments
    holding an attention inlined;
-2. :class:`AttentionPass` (schemes ``kivi``, ``tract``) -- every attention :func:`.attention.find_attention`
-   recognises, over explicit caches (``concat([past_input, new], axis = 2)``: torch-to-nnef, nnef-tools' ONNX
-   output; the past inputs and present outputs go, the caches move into the session) or
-   ``tract_transformers_dyn_kv_cache``, becomes the scheme's fused op; or :class:`CachePass` (scheme
-   ``tract-cache``) -- every cache becomes tract's quantized dyn cache, the attention left as exported;
+2. the scheme's rewrite (:data:`REWRITES`, keyed by :attr:`~nnef_kv.kv.schemes.Scheme.rewrite`):
+   :class:`AttentionPass` (``"attention"``: schemes ``kivi``, ``tract``) -- every attention
+   :func:`.attention.find_attention` recognises, over explicit caches (``concat([past_input, new], axis = 2)``:
+   torch-to-nnef, nnef-tools' ONNX output; the past inputs and present outputs go, the caches move into the
+   session) or ``tract_transformers_dyn_kv_cache``, becomes the scheme's fused op; or :class:`CachePass`
+   (``"cache"``: scheme ``tract-cache``) -- every cache becomes the scheme's cache op, the attention left as
+   exported;
 3. :class:`CacheShapeToSymbolPass` -- what the graph derived from the removed cache inputs' shapes
    (past length ``P`` for positions and masks) becomes an expression of the declared symbol;
 4. :class:`PositionBindingPass` -- fused schemes only: a ``[1, 1, S, 1]`` ``tract_transformers_dyn_kv_cache``
@@ -17,7 +19,8 @@ Order used by :func:`nnef_kv.converters.convert`:
    from stateful cache nodes; the fused ops carry no sequence shape);
 5. :class:`CleanupPass` -- dead code, unused tensors, extensions.
 
-Schemes (what an attention with its caches becomes):
+Schemes (what an attention with its caches becomes) are :class:`nnef_kv.kv.schemes.Scheme` objects: the
+passes read the op, its attributes, what it can express and its notes from the scheme, never its name:
 
 * ``kivi``: ``nnef_kv_kivi_sdpa(q, k_new, v_new, ...)`` (nnef-kv's accurate op; causal mask built in);
 * ``tract``: ``tract_transformers_quantized_kv_sdpa(q, k_new, v_new, axis = 2, scale = s)`` (tract's
@@ -33,13 +36,13 @@ from typing import Any
 
 from ..errors import ConversionError
 from ..grammar import ast as A
-from .attention import DYN_CACHE_OP, AttentionBlock, CacheSource, Miss, find_attention, find_caches
+from ..interpreter.catalog import extensions_for, ops_with
+from ..kv.schemes import SCHEMES, AttentionSite, CacheSite, Scheme
+from .attention import (DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention,
+                        find_caches)
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
 from .options import ConvertOptions
 
-KIVI_OP = "nnef_kv_kivi_sdpa"
-TRACT_FUSED_OP = "tract_transformers_quantized_kv_sdpa"
-TRACT_QCACHE_OP = "tract_transformers_quantized_dyn_kv_cache"
 POSITION_CACHE = "nnef_kv_positions"
 
 
@@ -81,6 +84,8 @@ class ConversionContext:
 
     graph: GraphEdit
     options: ConvertOptions
+    scheme: Scheme = field(init=False)  # the options' scheme
+    settings: Any = field(init=False)  # its options (the scheme's options dataclass)
     blocks: list[AttentionBlock] = field(default_factory=list)  # attentions rewritten to a fused op
     found: list[AttentionBlock] = field(default_factory=list)  # attentions recognised (any scheme)
     caches: list[CacheSource] = field(default_factory=list)  # caches rewritten (tract-cache)
@@ -90,6 +95,10 @@ class ConversionContext:
     past_symbol: str | None = None  # the symbol of the past length (P)
     new_symbol: str | None = None  # the symbol of this call's length (S)
     initially_dead: set[str] = field(default_factory=set)  # dead before conversion: left as they were
+
+    def __post_init__(self) -> None:
+        self.scheme = self.options.scheme_object
+        self.settings = self.options.scheme_options
 
     def dead_code(self) -> list[str]:
         """Remove what the conversion made dead (statements dead in the input graph stay)."""
@@ -136,21 +145,16 @@ def _datum_type(g: GraphEdit, past: str) -> str:
 
 
 def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: int | None) -> A.Invocation:
-    o = ctx.options
     scale = block.scale
     if scale is None:
         if head_dim is None:
             raise ConversionError(f"{ctx.graph.where}: attention '{block.output}' has no scale and an unknown "
                                   "head size")
         scale = 1.0 / math.sqrt(head_dim)
-    causal = block.is_causal or block.mask is not None
-    if o.scheme == "kivi":
-        extra = {"softcap": float(block.softcap)} if block.softcap else {}
-        return invocation(KIVI_OP, A.Identifier(block.q), A.Identifier(block.key.new), A.Identifier(block.value.new),
-                          axis=2, scale=float(scale), bits=o.bits, key_group=o.key_group, value_group=o.value_group,
-                          residual=o.residual, sinks=o.sinks, is_causal=bool(causal), **extra)
-    return invocation(TRACT_FUSED_OP, A.Identifier(block.q), A.Identifier(block.key.new),
-                      A.Identifier(block.value.new), axis=2, scale=float(scale))
+    site = AttentionSite(scale=float(scale), is_causal=bool(block.is_causal or block.mask is not None),
+                         softcap=float(block.softcap or 0.0))
+    return invocation(ctx.scheme.op, A.Identifier(block.q), A.Identifier(block.key.new), A.Identifier(block.value.new),
+                      **ctx.scheme.attributes(ctx.settings, site))
 
 
 def _static_dim(e: A.Expr | None) -> int | None:
@@ -202,24 +206,35 @@ def _holds_softmax(frag: A.FragmentDecl, doc: A.Document, depth: int = 0) -> boo
 
 
 def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:
-    """The fused op of the scheme must express the attention: refuse in one line otherwise."""
+    """The fused op of the scheme must express the attention: refuse in one line otherwise, naming the
+    schemes that would convert it."""
     where = f"{ctx.graph.where}: attention '{b.output}'"
-    scheme = ctx.options.scheme
+    s = ctx.scheme
+    cache_only = [x.name for x in SCHEMES.values() if x.rewrite == "cache"]
     if b.unsupported:
+        hint = (f"; scheme {' or '.join(cache_only)} converts the caches only and keeps the attention as exported"
+                if cache_only else "")
         raise ConversionError(f"{where}: its scores go through {', '.join(b.unsupported)} before the softmax, which "
-                              f"{KIVI_OP if scheme == 'kivi' else TRACT_FUSED_OP} does not compute; scheme tract-cache "
-                              f"converts the caches only and keeps the attention as exported")
-    if b.softcap and scheme == "tract":
-        raise ConversionError(f"{where}: the scores are softcapped (tanh, cap {b.softcap:g}) and {TRACT_FUSED_OP} has no "
-                              f"softcap: use --scheme kivi (softcap attribute) or --scheme tract-cache")
+                              f"{s.op} does not compute{hint}")
+    if b.softcap and not s.softcap:
+        others = [f"--scheme {x.name} (softcap attribute)" for x in SCHEMES.values() if x.rewrite == "attention"
+                  and x.softcap] + [f"--scheme {n}" for n in cache_only]
+        hint = f": use {' or '.join(others)}" if others else ""
+        raise ConversionError(f"{where}: the scores are softcapped (tanh, cap {b.softcap:g}) and {s.op} has no "
+                              f"softcap{hint}")
 
 
 class AttentionPass:
-    """Fused schemes (``kivi``, ``tract``): every recognised attention over explicit (torch-to-nnef, ONNX)
-    or dyn caches becomes one fused op over this call's new keys/values; explicit cache inputs/outputs go
-    (the caches move into the session), dyn cache nodes go."""
+    """Fused schemes (``rewrite = "attention"``: ``kivi``, ``tract``): every recognised attention over
+    explicit (torch-to-nnef, ONNX) or dyn caches becomes one call of the scheme's op over this call's new
+    keys/values; explicit cache inputs/outputs go (the caches move into the session), dyn cache nodes go."""
 
     name = "attention"
+    nothing_found = f"no attention found: looked for {LOOKED_FOR}"
+
+    @staticmethod
+    def converted(ctx: ConversionContext) -> bool:
+        return bool(ctx.blocks)
 
     def run(self, ctx: ConversionContext) -> PassReport:
         g = ctx.graph
@@ -229,8 +244,7 @@ class AttentionPass:
         ctx.found = blocks
         if not blocks:
             return rep
-        scheme = ctx.options.scheme
-        op = KIVI_OP if scheme == "kivi" else TRACT_FUSED_OP
+        op = ctx.scheme.op
         present: list[str] = []
         drop: set[str] = set()
         for b in blocks:
@@ -241,10 +255,7 @@ class AttentionPass:
             g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim))
             rep.nodes_replaced.append(f"{b.output}: {b.kind} -> {op}")
             if b.mask is not None:
-                rep.notes.append(f"attention '{b.output}': mask '{b.mask}' replaced by the op's causal masking"
-                                 if scheme == "kivi" else
-                                 f"attention '{b.output}': mask '{b.mask}' dropped: {TRACT_FUSED_OP} has no causal "
-                                 "mask (a multi-token call attends to its whole cache)")
+                rep.notes.append(ctx.scheme.mask_note.format(output=b.output, mask=b.mask, op=op))
             if b.softcap:
                 rep.notes.append(f"attention '{b.output}': tanh softcapping {b.softcap:g} kept (softcap attribute)")
         ctx.forget_dead_readers(set(ctx.removed_inputs) | set(present) | drop)
@@ -297,10 +308,17 @@ class AttentionPass:
 
 
 class CachePass:
-    """Scheme ``tract-cache``: every KV cache becomes ``tract_transformers_quantized_dyn_kv_cache`` (keys per
-    channel, values per token), whatever the attention reading it; explicit cache inputs/outputs go."""
+    """Cache schemes (``rewrite = "cache"``: ``tract-cache``): every KV cache becomes one call of the scheme's
+    op (``tract_transformers_quantized_dyn_kv_cache``: the dyn cache's attributes and the scheme's), whatever
+    the attention reading it; explicit cache inputs/outputs go."""
 
     name = "caches"
+    nothing_found = ("no KV cache found: looked for concat([cache input, new], axis = 2) with the cache a graph "
+                     "input, or tract_transformers_dyn_kv_cache")
+
+    @staticmethod
+    def converted(ctx: ConversionContext) -> bool:
+        return bool(ctx.caches)
 
     def run(self, ctx: ConversionContext) -> PassReport:
         g = ctx.graph
@@ -313,7 +331,7 @@ class CachePass:
             return rep
         present: list[str] = []
         for src in caches:
-            per_channel = 1 if src.role == "key" else 0
+            attrs = ctx.scheme.attributes(ctx.settings, CacheSite(src.role))
             if src.kind == "explicit":
                 assert src.past is not None
                 shape = g.declared_shape(src.past)
@@ -323,11 +341,11 @@ class CachePass:
                 if isinstance(shape[2], A.Identifier):
                     ctx.past_symbol = ctx.past_symbol or shape[2].name
                 present.append(src.full)
-                self._explicit(ctx, src, per_channel)
+                self._explicit(ctx, src, attrs)
             else:
-                self._dyn(ctx, src, per_channel)
+                self._dyn(ctx, src, attrs)
             rep.nodes_replaced.append(f"{src.full} ({src.role}s): {'concat' if src.kind == 'explicit' else DYN_CACHE_OP} "
-                                      f"-> {TRACT_QCACHE_OP}")
+                                      f"-> {ctx.scheme.op}")
         ctx.caches = caches
         ctx.forget_dead_readers(set(ctx.removed_inputs))
         rep.inputs_removed = [n for n in g.inputs if n in ctx.removed_inputs]
@@ -340,7 +358,7 @@ class CachePass:
         return rep
 
     @staticmethod
-    def _explicit(ctx: ConversionContext, src: CacheSource, per_channel: int) -> None:
+    def _explicit(ctx: ConversionContext, src: CacheSource, attrs: dict[str, Any]) -> None:
         g = ctx.graph
         assert src.past is not None
         past_shape = ctx.removed_inputs[src.past]
@@ -348,22 +366,21 @@ class CachePass:
         new_shape = list(past_shape)
         new_shape[2] = A.Identifier(s)
         rhs = invocation(
-            TRACT_QCACHE_OP, A.Identifier(src.new), name=src.past, axis=2, bits=ctx.options.bits,
-            per_channel=per_channel, datum_type=_datum_type(g, src.past),
+            ctx.scheme.op, A.Identifier(src.new), name=src.past, axis=2, **attrs, datum_type=_datum_type(g, src.past),
             past_sequence_shape=A.ArrayExpr(tuple(past_shape)), input_sequence_shape=A.ArrayExpr(tuple(new_shape)))
         g.replace_rhs(src.full, rhs)
 
     @staticmethod
-    def _dyn(ctx: ConversionContext, src: CacheSource, per_channel: int) -> None:
+    def _dyn(ctx: ConversionContext, src: CacheSource, attrs: dict[str, Any]) -> None:
         g = ctx.graph
         assert src.node is not None and src.node.inv is not None
         inv = src.node.inv
         args = list(inv.args)
         names = [a.name for a in args]
         at = names.index("axis") + 1 if "axis" in names else len(args)
-        args[at:at] = [A.Argument("bits", A.IntegerLiteral(ctx.options.bits)),
-                       A.Argument("per_channel", A.IntegerLiteral(per_channel))]
-        g.replace_rhs(src.full, A.Invocation(TRACT_QCACHE_OP, None, tuple(args)))
+        added = invocation(ctx.scheme.op, **attrs).args  # the scheme's attributes, as NNEF arguments
+        args[at:at] = list(added)
+        g.replace_rhs(src.full, A.Invocation(ctx.scheme.op, None, tuple(args)))
 
 
 class CacheShapeToSymbolPass:
@@ -444,7 +461,7 @@ class PositionBindingPass:
         g = ctx.graph
         rep = PassReport(self.name)
         p = ctx.past_symbol
-        if ctx.options.scheme == "tract-cache" or p is None or not ctx.blocks:
+        if ctx.scheme.rewrite != "attention" or p is None or not ctx.blocks:
             return rep
         if p not in g.symbols():
             g.add_extension("tract_symbol", p)
@@ -499,12 +516,14 @@ class CleanupPass:
         ctx.dead_code()
         rep.nodes_removed = sorted(before - {n.name for n in g.nodes})
         ops = {n.op for n in g.nodes}
-        if ops & {TRACT_FUSED_OP, TRACT_QCACHE_OP, DYN_CACHE_OP}:
-            if not any(e.name == "tract_registry" and e.argument.strip() == "tract_core" for e in g.extensions):
-                g.add_extension("tract_registry", "tract_core")
-                rep.notes.append("extension tract_registry tract_core added")
-            if g.add_extension("tract_registry", "tract_transformers"):
-                rep.notes.append("extension tract_registry tract_transformers added")
-        if KIVI_OP in ops and g.add_extension("nnef_kv"):
-            rep.notes.append("extension nnef_kv added")
+        kv_ops = ops_with(role="kv-cache") | ops_with(role="attention+kv")  # what a scheme writes
+        needed = [e for op in sorted(ops & kv_ops) for e in extensions_for(op)]
+        needed.sort(key=lambda e: e[0] != "tract_registry")  # tract's registries first (stable)
+        for name, argument in dict.fromkeys(needed):
+            if g.add_extension(name, argument):
+                rep.notes.append(f"extension {name}{' ' + argument if argument else ''} added")
         return rep
+
+
+#: the passes that rewrite a graph for a scheme, by :attr:`~nnef_kv.kv.schemes.Scheme.rewrite`
+REWRITES: dict[str, Any] = {"attention": AttentionPass, "cache": CachePass}

@@ -11,7 +11,7 @@ from typing import Any
 
 from .registry import PRIMITIVES, Primitive
 
-__all__ = ["lookup", "PRIMITIVES", "ops_with", "FAMILIES"]
+__all__ = ["lookup", "PRIMITIVES", "ops_with", "extensions_for", "FAMILIES"]
 
 #: the modules that register operations (interpreter op families, then the KV ops)
 FAMILIES = (
@@ -43,3 +43,17 @@ def ops_with(**query: Any) -> frozenset[str]:
     (``ops_with(stateful=True)``, ``ops_with(role="kv-cache")``, ``ops_with(positional=True)``)."""
     _load()
     return frozenset(name for name, p in PRIMITIVES.items() if all(getattr(p, k) == v for k, v in query.items()))
+
+
+def extensions_for(op: str) -> tuple[tuple[str, str], ...]:
+    """The ``extension`` lines (name, argument) an archive using ``op`` declares, from its registration's
+    ``registry``: none for the standard ops; ``nnef_kv`` for nnef-kv's own; ``tract_registry tract_core``
+    then the op's registry for tract's (tract writes tract_core first: the graphs around a tract op use it)."""
+    prim = lookup(op)
+    if prim is None or prim.registry == "nnef":
+        return ()
+    if prim.registry == "nnef_kv":
+        return (("nnef_kv", ""),)
+    core = ("tract_registry", "tract_core")
+    return (core,) if prim.registry == "tract_core" else (core, ("tract_registry", prim.registry))
+

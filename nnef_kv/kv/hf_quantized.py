@@ -436,7 +436,8 @@ class HfQuantizedSdpa(BufferCheckpoint):
         try:
             rk = expect_state(tensors, "res_k", None, fp, who)
             if rk.ndim != 4 or rk.shape[:2] != (b, hkv) or rk.shape[3] != d or rk.shape[2] > t:
-                raise StateError(f"{who}: state tensor 'res_k' has shape {rk.shape}, expected ({b}, {hkv}, <= {t}, {d})")
+                raise StateError(f"{who}: state tensor 'res_k' has shape {rk.shape}, "
+                                 f"expected ({b}, {hkv}, <= {t}, {d})")
             nr = rk.shape[2]
             rv = expect_state(tensors, "res_v", rk.shape, fp, who)
             tq = t - nr

@@ -22,7 +22,7 @@ Storage, per (batch, kv head), in sequence order::
   each group range, searched on a grid), ``rotate`` (orthonormal Hadamard rotation of head_dim for
   keys and/or values: ``"k"``, ``"v"``, ``"kv"``; q.k and p.V are preserved exactly in real arithmetic).
 
-Attention never builds the f32 cache: the quantized part is read block by block (a multiple of
+Attention (:mod:`.kivi_attend`) never builds the f32 cache: the quantized part is read block by block (a multiple of
 ``key_group`` tokens per block) into one reusable f32 code buffer; the key step and min are folded
 into the query (``q.k = sum(q*step*code) + sum(q*min)``) and the value step and min into the
 probabilities. Decode (a small ``[heads, rows, T]`` score matrix) takes two passes over the blocks
@@ -43,17 +43,16 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
-from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, f16_to_f32
+from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state
+from .kivi_attend import KiviAttention
+from .kivi_parts import Outliers, View, rotate
 from .packing import GroupCodec
+from .settings import IntSetting, Problem, first_problem
 
 __all__ = ["KiviConfig", "KiviSdpa", "hadamard"]
 
 CODES_LAYOUT = 2  # saved in states: 2 = GroupCodec (token-planar inside groups); 1 was planar rows
 F16_SAFE = 16384.0  # with f16 params, |x| above this goes to the exact side table
-#: quantized values read (tokens x kv heads x head_dim) from which a call's attention runs on the numba
-#: kernels (when they apply, see ``KiviSdpa._kernel_ok``): below, the NumPy path is as fast and a short
-#: context never pays the kernels' first-call compilation (measured: benchmarks/kv_speed.py)
-KERNEL_WORK = 1 << 17
 _CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 
 
@@ -68,6 +67,17 @@ def hadamard(d: int) -> np.ndarray:
     rng = np.random.default_rng(0)
     qm, r = np.linalg.qr(rng.standard_normal((d, d)))
     return (qm * np.sign(np.diag(r))).astype(np.float32)
+
+
+#: the integer settings of the op; scheme ``kivi`` checks its options with :func:`kivi_problem` too
+KIVI_SETTINGS = {"bits": IntSetting(1, 8, reason="scheme kivi takes 1..8 bits"), "key_group": IntSetting(1),
+                 "value_group": IntSetting(1), "residual": IntSetting(0), "sinks": IntSetting(0),
+                 "block_tokens": IntSetting(0)}
+
+
+def kivi_problem(**values: object) -> Problem | None:
+    """The first bad KIVI setting among ``values`` (names of :data:`KIVI_SETTINGS`), or None."""
+    return first_problem(values, KIVI_SETTINGS)
 
 
 @dataclass(frozen=True)
@@ -88,14 +98,10 @@ class KiviConfig:
     softcap: float = 0.0  # > 0: scores softcapped, softcap * tanh(scores / softcap) (Gemma 2); 0: none
 
     def validate(self, who: str) -> None:
-        if not 1 <= self.bits <= 8:
-            raise GraphError(f"{who}: bits must be in 1..8, got {self.bits}")
-        for nm in ("key_group", "value_group"):
-            if getattr(self, nm) < 1:
-                raise GraphError(f"{who}: {nm} must be >= 1, got {getattr(self, nm)}")
-        for nm in ("residual", "sinks", "block_tokens"):
-            if getattr(self, nm) < 0:
-                raise GraphError(f"{who}: {nm} must be >= 0, got {getattr(self, nm)}")
+        bad = kivi_problem(bits=self.bits, key_group=self.key_group, value_group=self.value_group,
+                           residual=self.residual, sinks=self.sinks, block_tokens=self.block_tokens)
+        if bad is not None:
+            raise GraphError(f"{who}: {bad}")
         if self.rotate not in ("none", "", "k", "v", "kv"):
             raise GraphError(f"{who}: rotate must be one of none, k, v, kv, got {self.rotate!r}")
         if self.params not in ("f16", "f32"):
@@ -114,101 +120,7 @@ class KiviConfig:
                          rot, int(self.clip), int(self.params == "f16"), CODES_LAYOUT], np.int64)
 
 
-def _as32(a: np.ndarray) -> np.ndarray:
-    """f32 view (no copy) or copy of a full-precision array."""
-    return np.asarray(a, dtype=np.float32)
-
-
-def _rotate(x: np.ndarray, rot: np.ndarray) -> np.ndarray:
-    """``x @ rot`` over the last axis, each output a fixed-order sum of products: a row's result does
-    not depend on how many rows are rotated with it (BLAS's does), so a chunk stores the same bits as
-    one-token calls."""
-    out = x[..., 0:1] * rot[0]
-    for j in range(1, rot.shape[0]):
-        out += x[..., j:j + 1] * rot[j]
-    return out
-
-
-def _finite_part(x: np.ndarray, offset: int):
-    """``x [n, T, D]`` with its non-finite values set to 0, and ``(head, column, channel, value)`` of
-    those values (column = ``offset`` + token), or None when all are finite."""
-    bad = ~np.isfinite(x)
-    if not bad.any():
-        return x, None
-    h, t, c = np.nonzero(bad)
-    return np.where(bad, np.float32(0), x), (h, t + offset, c, x[h, t, c])
-
-
-@dataclass(frozen=True)
-class _View:
-    """What one attention call reads: the full-precision sinks and window (storage dtype,
-    ``[n, tokens, D]``), the first ``tq`` quantized tokens of the buffers, and ``total`` positions in
-    all (``sinks + tq + window``; the last ``Sq`` are the call's queries)."""
-
-    sink_k: np.ndarray
-    sink_v: np.ndarray
-    res_k: np.ndarray
-    res_v: np.ndarray
-    tq: int
-    total: int
-
-    @property
-    def ns(self) -> int:
-        return int(self.sink_k.shape[1])
-
-    @property
-    def nr(self) -> int:
-        return int(self.res_k.shape[1])
-
-
-class _Outliers:
-    """Exact side table of values kept out of the quantized groups: (head, position, channel, value)."""
-
-    def __init__(self) -> None:
-        self.head = GrowBuffer((), (), np.int32, min_chunk=16)
-        self.pos = GrowBuffer((), (), np.int64, min_chunk=16)
-        self.chan = GrowBuffer((), (), np.int32, min_chunk=16)
-        self.val = GrowBuffer((), (), np.float32, min_chunk=16)
-
-    def add(self, head: np.ndarray, pos: np.ndarray, chan: np.ndarray, val: np.ndarray) -> None:
-        if head.size:
-            self.head.append(head.astype(np.int32))
-            self.pos.append(pos.astype(np.int64))
-            self.chan.append(chan.astype(np.int32))
-            self.val.append(val.astype(np.float32))
-
-    def __len__(self) -> int:
-        return self.head.len
-
-    def in_range(self, p0: int, p1: int):
-        pos = self.pos.view()
-        sel = np.nonzero((pos >= p0) & (pos < p1))[0]
-        return self.head.view()[sel], pos[sel], self.chan.view()[sel], self.val.view()[sel]
-
-    @property
-    def nbytes(self) -> int:
-        return self.head.nbytes + self.pos.nbytes + self.chan.nbytes + self.val.nbytes
-
-    def arrays(self, prefix: str) -> dict[str, np.ndarray]:
-        return {f"{prefix}_head": self.head.view().copy(), f"{prefix}_pos": self.pos.view().copy(),
-                f"{prefix}_chan": self.chan.view().copy(), f"{prefix}_val": self.val.view().copy()}
-
-    def load(self, tensors: dict[str, np.ndarray], prefix: str, who: str, n: int, tq: int, d: int) -> None:
-        h = expect_state(tensors, f"{prefix}_head", None, np.int32, who)
-        cnt = h.shape[0] if h.ndim == 1 else -1
-        p = expect_state(tensors, f"{prefix}_pos", (cnt,), np.int64, who)
-        c = expect_state(tensors, f"{prefix}_chan", (cnt,), np.int32, who)
-        v = expect_state(tensors, f"{prefix}_val", (cnt,), np.float32, who)
-        if h.ndim != 1 or (cnt and (h.min() < 0 or h.max() >= n or p.min() < 0 or p.max() >= tq
-                                   or c.min() < 0 or c.max() >= d)):
-            raise StateError(f"{who}: side table {prefix} holds entries outside the cache")
-        self.head.set_exact(h)
-        self.pos.set_exact(p)
-        self.chan.set_exact(c)
-        self.val.set_exact(v)
-
-
-class KiviSdpa(BufferCheckpoint):
+class KiviSdpa(KiviAttention, BufferCheckpoint):
     """State of one ``nnef_kv_kivi_sdpa`` node: a quantized KV cache and attention over it."""
 
     WHO = "nnef_kv_kivi_sdpa"
@@ -268,8 +180,8 @@ class KiviSdpa(BufferCheckpoint):
         self.k_step = GrowBuffer((n,), (d,), pdt, growth=g, min_chunk=gpage)
         self.v_min = GrowBuffer((n,), (self.nvg,), pdt, growth=g, min_chunk=page)
         self.v_step = GrowBuffer((n,), (self.nvg,), pdt, growth=g, min_chunk=page)
-        self.k_out = _Outliers()
-        self.v_out = _Outliers()
+        self.k_out = Outliers()
+        self.v_out = Outliers()
         self.rot = hadamard(d) if c.rotate in ("k", "v", "kv") else None
         self._bufs: dict[int, np.ndarray] = {}
         self._ready = True
@@ -409,12 +321,12 @@ class KiviSdpa(BufferCheckpoint):
         bt = self.cfg.block_tokens or max(kg, (1 << 18) // max(1, n * self.d))
         return max(kg, bt // kg * kg)
 
-    def _current_view(self) -> _View:
+    def _current_view(self) -> View:
         """The cache as it is now (no call in progress)."""
-        return _View(self.sink_k.view(), self.sink_v.view(), self.res_k.view(), self.res_v.view(),
+        return View(self.sink_k.view(), self.sink_v.view(), self.res_k.view(), self.res_v.view(),
                      self.n_quant, self.len)
 
-    def _call_view(self, ks: np.ndarray, vs: np.ndarray) -> _View:
+    def _call_view(self, ks: np.ndarray, vs: np.ndarray) -> View:
         """What a call bringing ``ks, vs`` (``[n, S, D]``, storage dtype) reads *before* it ingests them:
         the groups quantized before the call, everything else (sinks, window, the call's own tokens) in
         full precision."""
@@ -427,295 +339,7 @@ class KiviSdpa(BufferCheckpoint):
         if ks.shape[1] > ns_new:
             rk = np.concatenate([rk, ks[:, ns_new:]], axis=1)
             rv = np.concatenate([rv, vs[:, ns_new:]], axis=1)
-        return _View(sk, sv, rk, rv, self.n_quant, self.len + ks.shape[1])
-
-    def _attend(self, q: np.ndarray, sq: int, view: _View | None = None) -> np.ndarray:
-        """q: [n, M, D] f32 (rotated, M = group * Sq rows; row r is query r % Sq). Returns [n, M, D].
-        ``view``: what is read (default: the cache as it is now).
-
-        Heads are independent: with ``threads > 1`` and a long enough cache they are split into
-        contiguous ranges processed in a thread pool (NumPy releases the GIL in its kernels)."""
-        if view is None:
-            view = self._current_view()
-        n = q.shape[0]
-        work = view.tq * n * self.d
-        if work >= KERNEL_WORK and self._kernel_ok(q.shape[1], view):
-            from ..kernels.kivi_attention import decode_attention
-
-            c = self.cfg
-            return decode_attention(q, view.sink_k, view.sink_v, self.k_codes.view(0, view.tq),
-                                    self.k_min.view(0, view.tq // c.key_group),
-                                    self.k_step.view(0, view.tq // c.key_group), self.v_codes.view(0, view.tq),
-                                    self.v_min.view(0, view.tq), self.v_step.view(0, view.tq), view.res_k,
-                                    view.res_v, scale=c.scale, bits=c.bits, key_group=c.key_group,
-                                    value_group=c.value_group, sq=sq, is_causal=c.is_causal,
-                                    threads=min(self.threads, n))
-        nth = min(self.threads, n) if work >= (1 << 20) else 1
-        if nth <= 1:
-            return self._attend_heads(q, sq, 0, n, 0, view)
-        from concurrent.futures import ThreadPoolExecutor
-
-        bounds = np.linspace(0, n, nth + 1).astype(int)
-        if self._pool is None or self._pool._max_workers != nth:
-            self._pool = ThreadPoolExecutor(max_workers=nth, thread_name_prefix="nnef_kv_kivi")
-        futs = [self._pool.submit(self._attend_heads, q[bounds[i]:bounds[i + 1]], sq, int(bounds[i]),
-                                  int(bounds[i + 1]), i, view) for i in range(nth)]
-        return np.concatenate([f.result() for f in futs], axis=0)
-
-    def _kernel_ok(self, m: int, view: _View) -> bool:
-        """The numba decode kernels (:mod:`nnef_kv.kernels.kivi_attention`) compute this call's attention:
-        numba is there (``NNEF_KV_NO_NUMBA`` unset), no outliers in the side table, no softcap, codes in
-        the byte or token-planar layout, a score matrix the two-pass path would take."""
-        from ..kernels import numba_available
-
-        return (not self.cfg.softcap and not len(self.k_out) and not len(self.v_out)
-                and self.codec.layout in ("bytes", "token_planar")
-                and self.b * self.hkv * m * view.total * 4 <= self.score_budget and numba_available())
-
-    def _code_buffer(self, slot: int, n: int, rows: int) -> np.ndarray:
-        buf = self._bufs.get(slot)
-        if buf is None or buf.shape[1] < rows or buf.shape[0] != n:
-            buf = self._bufs[slot] = np.empty((n, rows, self.d), np.float32)
-        return buf
-
-    def _attend_heads(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: _View) -> np.ndarray:
-        """Attention for the kv heads ``h0:h1`` (q already restricted to them); ``slot`` names the
-        reusable code buffer of the calling thread. Small score matrices (decode) take the two-pass
-        path, large ones (long prefill chunks) the online softmax; both read the codes block by block."""
-        if self.b * self.hkv * q.shape[1] * view.total * 4 <= self.score_budget:
-            return self._attend_two_pass(q, sq, h0, h1, slot, view)
-        return self._attend_online(q, sq, h0, h1, slot, view)
-
-    def _attend_two_pass(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: _View) -> np.ndarray:
-        """Scores of every position (``[n, M, T]``, small in decode), one exact softmax, then the
-        values. Per block of codes only an unpack (straight into the f32 buffer) and one matmul call
-        on each side; the key min, the softmax sums and the value min are whole-array operations."""
-        c = self.cfg
-        n, m, d = q.shape
-        hs = slice(h0, h1)
-        ns, tq, nr = view.ns, view.tq, view.nr
-        total = view.total
-        q = q * np.float32(c.scale)
-        s = np.empty((n, m, total), np.float32)
-        if ns:
-            np.matmul(q, _as32(view.sink_k[hs]).swapaxes(-1, -2), out=s[:, :, :ns])
-        if tq:
-            self._key_scores(s[:, :, ns:ns + tq], q, h0, h1, slot)
-        if nr:
-            np.matmul(q, _as32(view.res_k[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
-        self._softcap(s)
-        if c.is_causal and sq > 1:  # a single query is the last position: it sees everything
-            qpos = (total - sq) + (np.arange(m) % sq)
-            s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
-        mx = s.max(axis=-1, keepdims=True)
-        if not mx.min() > -np.inf:  # rows with every position masked
-            mx = np.where(np.isfinite(mx), mx, np.float32(0))
-        p = np.exp(np.subtract(s, mx, out=s), out=s)
-        ls = p.sum(axis=-1, keepdims=True)
-        out = self._value_sum(p[:, :, ns:ns + tq], h0, h1, slot) if tq else np.zeros((n, m, d), np.float32)
-        if ns:
-            out += np.matmul(p[:, :, :ns], _as32(view.sink_v[hs]))
-        if nr:
-            out += np.matmul(p[:, :, ns + tq:], _as32(view.res_v[hs]))
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.divide(out, ls, out=out)
-
-    def _key_scores(self, sv: np.ndarray, q: np.ndarray, h0: int, h1: int, slot: int) -> None:
-        """Scores of the quantized tokens into ``sv`` ``[n, M, Tq]`` (a view of the score matrix):
-        ``sum_c (q step)_c code_c + sum_c q_c min_c`` per group of ``key_group`` tokens."""
-        c = self.cfg
-        n, m, d = q.shape
-        hs = slice(h0, h1)
-        kg = c.key_group
-        tq = sv.shape[-1]
-        ng = tq // kg
-        kmin = self._param32(self.k_min, hs, ng)  # [n, G, d]
-        kstep = self._param32(self.k_step, hs, ng)
-        if m == 1 and c.params == "f16":  # kstep is a fresh f32 array: fold q into it in place
-            qs = np.multiply(kstep, q, out=kstep)[:, :, None, :]  # [n, G, 1, d]
-        else:
-            qs = q[:, None, :, :] * kstep[:, :, None, :]  # [n, G, M, d]
-        qmin = np.matmul(kmin, q.swapaxes(-1, -2))  # [n, G, M]: q.min per group
-        s4 = sv.reshape(n, m, ng, kg)
-        so = s4.swapaxes(1, 2)  # [n, G, M, kg]: where each group's matmul writes
-        gb = self._block_tokens(self.b * self.hkv) // kg  # same blocks whatever the thread split
-        buf = self._code_buffer(slot, n, min(gb, ng) * kg)
-        scales = self.codec.plane_scales  # codes of bit field k come out times 2 ** (k * bits)
-        unpack = self.codec.block_unpacker(self.k_codes.view()[hs], buf, scaled=True)
-        bt4 = buf.reshape(n, buf.shape[1] // kg, kg, d).swapaxes(-1, -2)  # [n, blocks, d, kg]
-        matmul = np.matmul
-        for g0 in range(0, ng, gb):
-            g1 = min(ng, g0 + gb)
-            unpack(g0, g1)
-            matmul(qs[:, g0:g1], bt4 if g1 - g0 == bt4.shape[1] else bt4[:, :g1 - g0], out=so[:, g0:g1])
-        if scales is not None:
-            s4.reshape(n, m, ng, len(scales), -1)[...] *= scales
-        s4 += qmin.swapaxes(1, 2)[..., None]
-        if len(self.k_out):
-            self._key_fix(sv, q, 0, tq, kmin, kg, h0, h1)
-
-    def _value_sum(self, pq: np.ndarray, h0: int, h1: int, slot: int) -> np.ndarray:
-        """``sum_t p_t (min_t + step_t code_t)`` over the quantized tokens, ``pq`` ``[n, M, Tq]``
-        (unnormalised probabilities): the value step folded into p, the min one matmul."""
-        n, m, tq = pq.shape
-        d, nvg, vg = self.d, self.nvg, self.vg
-        hs = slice(h0, h1)
-        vmin = self._param32(self.v_min, hs, tq)  # [n, Tq, nvg]
-        vstep = self._param32(self.v_step, hs, tq)
-        if nvg == 1:
-            pw = pq * vstep[:, None, :, 0]  # [n, M, Tq]
-            base = np.matmul(pq, vmin)  # [n, M, 1]
-        else:
-            pw = pq[:, None, :, :] * vstep.transpose(0, 2, 1)[:, :, None, :]  # [n, nvg, M, Tq]
-            base = np.repeat(np.matmul(pq, vmin), vg, axis=-1)  # [n, M, d]
-        scales = self.codec.plane_scales  # codes of bit field k come out times 2 ** (k * bits)
-        if scales is not None:
-            pw.reshape(pw.shape[:-1] + (tq // self.cfg.key_group, len(scales), -1))[...] *= scales
-        bt = self._block_tokens(self.b * self.hkv)
-        nb = -(-tq // bt)
-        part = np.empty((nb, n, m, d) if nvg == 1 else (nb, n, nvg, m, vg), np.float32)
-        buf = self._code_buffer(slot, n, min(bt, tq))
-        kg = self.cfg.key_group
-        unpack = self.codec.block_unpacker(self.v_codes.view()[hs], buf, scaled=True)
-        matmul = np.matmul
-        for i in range(nb):
-            t0, t1 = i * bt, min(tq, (i + 1) * bt)
-            blk = unpack(t0 // kg, t1 // kg)
-            if nvg == 1:
-                matmul(pw[:, :, t0:t1], blk, out=part[i])
-            else:
-                matmul(pw[..., t0:t1], blk.reshape(n, t1 - t0, nvg, vg).swapaxes(1, 2), out=part[i])
-        acc = part[0] if nb == 1 else part.sum(axis=0)
-        if nvg > 1:
-            acc = acc.swapaxes(1, 2).reshape(n, m, d)
-        out = np.add(acc, base)
-        if len(self.v_out):
-            self._value_fix(out, pq, 0, tq, vmin, h0, h1)
-        return out
-
-    def _param32(self, buf: GrowBuffer, hs: slice, count: int | None = None) -> np.ndarray:
-        """Stored group params of heads ``hs`` (the first ``count`` entries) as f32: a view for f32
-        params, a fresh exact conversion for f16 ones (:func:`f16_to_f32`, ~4x faster than NumPy's cast)."""
-        a = buf.view(0, count)[hs]
-        return a if a.dtype == np.float32 else f16_to_f32(a)
-
-    def _attend_online(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: _View) -> np.ndarray:
-        """Online softmax over sinks, blocks of codes and window (bounded memory for long chunks)."""
-        c = self.cfg
-        n, m, d = q.shape
-        hs = slice(h0, h1)
-        total = view.total
-        qpos = (total - sq) + (np.arange(m) % sq)  # absolute position of each query row
-        q = q * np.float32(c.scale)  # scores are (scale q).k: the scale is folded into the query
-        qmin_pos = int(qpos.min())
-        mx = np.full((n, m), -np.inf, np.float32)
-        ls = np.zeros((n, m), np.float32)
-        acc = np.zeros((n, m, d), np.float32)
-
-        def merge(s: np.ndarray, pv_fn, p0: int) -> None:
-            """Online softmax: fold one block of scores (and its values, via pv_fn) into mx/ls/acc."""
-            nonlocal mx, ls, acc
-            blk = s.shape[-1]
-            self._softcap(s)
-            if c.is_causal and p0 + blk - 1 > qmin_pos:
-                keep = (p0 + np.arange(blk))[None, :] <= qpos[:, None]
-                s = np.where(keep[None], s, np.float32(-np.inf))
-            new = np.maximum(mx, np.max(s, axis=-1))
-            # rows with no finite score yet (all masked) subtract 0 instead of -inf
-            safe = new if new.min() > -np.inf else np.where(np.isfinite(new), new, np.float32(0))
-            alpha = np.exp(mx - safe)
-            p = np.exp(s - safe[..., None])
-            ls = ls * alpha + p.sum(axis=-1)
-            acc = acc * alpha[..., None] + pv_fn(p)
-            mx = new
-
-        qt = np.swapaxes(q, -1, -2)
-        # ---- sinks (full precision)
-        if view.ns:
-            ks = view.sink_k[hs].astype(np.float32)
-            vs = view.sink_v[hs].astype(np.float32)
-            merge(np.matmul(q, np.swapaxes(ks, -1, -2)), lambda p: np.matmul(p, vs), 0)
-        # ---- quantized groups, block by block
-        tq = view.tq
-        if tq:
-            kg = c.key_group
-            bt = self._block_tokens(self.b * self.hkv)  # same blocks whatever the thread split
-            buf_all = self._code_buffer(slot, n, min(bt, tq))
-            kcodes, vcodes = self.k_codes.view()[hs], self.v_codes.view()[hs]
-            # params of the whole quantized part, f32 (small: 2/key_group + 2/value_group per value)
-            kmin, kstep = self._param32(self.k_min, hs, tq // kg), self._param32(self.k_step, hs, tq // kg)
-            vmin, vstep = self._param32(self.v_min, hs, tq), self._param32(self.v_step, hs, tq)
-            qmin_all = np.matmul(kmin, qt)  # [n, G, m]
-            for t0 in range(0, tq, bt):
-                t1 = min(tq, t0 + bt)
-                nt = t1 - t0
-                g0, g1 = t0 // kg, t1 // kg
-                gb = g1 - g0
-                buf = buf_all[:, :nt]
-                self._unpack(kcodes[:, t0:t1], buf)
-                # scores = sum_c (q*step)_c code_c + sum_c q_c min_c, per group of kg tokens
-                qs = q[:, None, :, :] * kstep[:, g0:g1, None, :]  # [n, gb, m, d]
-                s = np.matmul(qs, buf.reshape(n, gb, kg, d).swapaxes(-1, -2))  # [n, gb, m, kg]
-                s += qmin_all[:, g0:g1, :, None]
-                s = np.swapaxes(s, 1, 2).reshape(n, m, nt)
-                if len(self.k_out):
-                    self._key_fix(s, q, t0, t1, kmin, kg, h0, h1)
-
-                def pv(p: np.ndarray, t0=t0, t1=t1, nt=nt, buf=buf) -> np.ndarray:
-                    self._unpack(vcodes[:, t0:t1], buf)
-                    vs = vstep[:, t0:t1]  # [n, nt, nvg]
-                    vm = vmin[:, t0:t1]
-                    if self.nvg == 1:
-                        out = np.matmul(p * vs[:, None, :, 0], buf)  # [n, m, d]
-                        out += np.matmul(p, vm)  # [n, m, 1]
-                    else:
-                        pw = p[:, None, :, :] * np.swapaxes(vs, 1, 2)[:, :, None, :]  # [n, nvg, m, nt]
-                        cb = np.swapaxes(buf.reshape(n, nt, self.nvg, self.vg), 1, 2)  # [n, nvg, nt, vg]
-                        out = np.swapaxes(np.matmul(pw, cb), 1, 2).reshape(n, m, d)
-                        out += np.repeat(np.matmul(p, vm), self.vg, axis=-1)
-                    if len(self.v_out):
-                        self._value_fix(out, p, t0, t1, vmin, h0, h1)
-                    return out
-
-                merge(s, pv, view.ns + t0)
-        # ---- residual window (full precision)
-        if view.nr:
-            kr = view.res_k[hs].astype(np.float32)
-            vr = view.res_v[hs].astype(np.float32)
-            merge(np.matmul(q, np.swapaxes(kr, -1, -2)), lambda p: np.matmul(p, vr), view.ns + tq)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return acc / ls[..., None]
-
-    def _softcap(self, s: np.ndarray) -> None:
-        """``softcap * tanh(s / softcap)`` in place (f32), when the op softcaps its scores."""
-        c = self.cfg.softcap
-        if c:
-            cap = np.float32(c)
-            np.divide(s, cap, out=s)
-            np.tanh(s, out=s)
-            np.multiply(s, cap, out=s)
-
-    def _key_fix(self, s, q, t0: int, t1: int, kmin, kg: int, h0: int, h1: int) -> None:
-        h, pos, ch, val = self.k_out.in_range(t0, t1)
-        sel = (h >= h0) & (h < h1)
-        if not sel.any():
-            return
-        h, pos, ch, val = h[sel] - h0, pos[sel], ch[sel], val[sel]
-        base = kmin[h, pos // kg, ch]  # code 0 read back as min
-        with np.errstate(invalid="ignore", over="ignore"):
-            corr = q[h, :, ch] * (val - base)[:, None]  # [cnt, m]
-        np.add.at(np.swapaxes(s, 1, 2), (h, pos - t0), corr)
-
-    def _value_fix(self, out, p, t0: int, t1: int, vmin, h0: int, h1: int) -> None:
-        h, pos, ch, val = self.v_out.in_range(t0, t1)
-        sel = (h >= h0) & (h < h1)
-        if not sel.any():
-            return
-        h, pos, ch, val = h[sel] - h0, pos[sel], ch[sel], val[sel]
-        base = vmin[h, pos, ch // self.vg]
-        with np.errstate(invalid="ignore", over="ignore"):
-            corr = p[h, :, pos - t0] * (val - base)[:, None]  # [cnt, m]
-        np.add.at(np.swapaxes(out, 1, 2), (h, ch), corr)
+        return View(sk, sv, rk, rv, self.n_quant, self.len + ks.shape[1])
 
     # ============================================================================== entry point
     def _prepare(self, q: np.ndarray, k: np.ndarray, v: np.ndarray):
@@ -736,17 +360,17 @@ class KiviSdpa(BufferCheckpoint):
         rk = self.rot is not None and self.cfg.rotate in ("k", "kv")
         rv = self.rot is not None and self.cfg.rotate in ("v", "kv")
         if rk:
-            k32 = _rotate(k32, self.rot)
+            k32 = rotate(k32, self.rot)
         if rv:
-            v32 = _rotate(v32, self.rot)
+            v32 = rotate(v32, self.rot)
         qn = q.astype(np.float32).reshape(n, (hq // hkv) * sq, d)
         if rk:
-            qn = _rotate(qn, self.rot)
+            qn = rotate(qn, self.rot)
         return qn, k32.astype(self.fp_dtype), v32.astype(self.fp_dtype), q.shape, out_dtype, rv
 
     def _finish(self, out: np.ndarray, shape: tuple[int, ...], out_dtype: np.dtype, rv: bool) -> np.ndarray:
         if rv:
-            out = _rotate(out, self.rot.T)
+            out = rotate(out, self.rot.T)
         return out.reshape(shape).astype(out_dtype)
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
@@ -758,7 +382,7 @@ class KiviSdpa(BufferCheckpoint):
         if ks.shape[1] and self.sink_k.len >= self.cfg.sinks:  # no new sinks: the call's window read and kept
             wk = np.concatenate([self.res_k.view(), ks], axis=1)
             wv = np.concatenate([self.res_v.view(), vs], axis=1)
-            view = _View(self.sink_k.view(), self.sink_v.view(), wk, wv, self.n_quant, self.len + ks.shape[1])
+            view = View(self.sink_k.view(), self.sink_v.view(), wk, wv, self.n_quant, self.len + ks.shape[1])
             with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf follow f32 semantics, silently
                 out = self._attend(qn, sq, view) if sq else None
             self._store_window(wk, wv)
@@ -794,73 +418,6 @@ class KiviSdpa(BufferCheckpoint):
         with np.errstate(invalid="ignore", over="ignore"):
             out = self._attend_stepwise(qn, snew, view, tq0, qcount, len0)
         return self._finish(out, shape, out_dtype, rv)
-
-    def _attend_stepwise(self, q: np.ndarray, sq: int, view: _View, tq0: int, qcount: np.ndarray,
-                         len0: int) -> np.ndarray:
-        """Rows of ``sq`` one-token calls at once. Scores are laid out ``[sinks | every quantized
-        token (after the call) | full-precision tokens from tq0 on]``: a token quantized during the
-        call appears twice, and each row keeps the copy it would have read (its quantized copy only if
-        it was quantized before the row's token came), causally."""
-        c = self.cfg
-        n, m, d = q.shape
-        g = m // sq
-        ns, nfp = view.ns, view.nr
-        kq, vq = self._dequantized_quant()  # [n, tq, d] f32 (transient: the quantized part only)
-        tqf = kq.shape[1]
-        sk, sv = _as32(view.sink_k), _as32(view.sink_v)
-        rk, rv = _as32(view.res_k), _as32(view.res_v)
-        width = ns + tqf + nfp
-        # non-finite values: out of the products (a masked position would give 0 * inf = NaN, while the
-        # row's one-token call never saw it), added back for the rows that see them
-        sv, bad_s = _finite_part(sv, 0)
-        vq, bad_q = _finite_part(vq, ns)
-        rv, bad_r = _finite_part(rv, ns + tqf)
-        bad = [b for b in (bad_s, bad_q, bad_r) if b is not None]
-        q4 = (q * np.float32(c.scale)).reshape(n, g, sq, d)
-        out4 = np.empty((n, g, sq, d), np.float32)
-        blk = max(1, min(sq, self.score_budget // max(1, 4 * n * g * width)))
-        s_pos = np.arange(ns)
-        f_idx = tq0 + np.arange(nfp)  # index of each full-precision token among the non-sink ones
-        for i0 in range(0, sq, blk):
-            i1 = min(sq, i0 + blk)
-            nb = i1 - i0
-            qb = q4[:, :, i0:i1].reshape(n, g * nb, d)
-            pos = len0 + np.arange(i0, i1)  # absolute position of each query
-            qc = qcount[i0:i1]
-            keep = np.empty((nb, width), bool)
-            keep[:, :ns] = s_pos[None, :] <= pos[:, None]
-            keep[:, ns:ns + tqf] = np.arange(tqf)[None, :] < qc[:, None]
-            keep[:, ns + tqf:] = (f_idx[None, :] >= qc[:, None]) & (ns + f_idx[None, :] <= pos[:, None])
-            keep = np.broadcast_to(keep[None], (g, nb, width)).reshape(g * nb, width)
-            s = np.empty((n, g * nb, width), np.float32)
-            masked = ~keep
-            if ns:
-                np.matmul(qb, sk.swapaxes(-1, -2), out=s[:, :, :ns])
-            if tqf:
-                np.matmul(qb, kq.swapaxes(-1, -2), out=s[:, :, ns:ns + tqf])
-            if nfp:
-                np.matmul(qb, rk.swapaxes(-1, -2), out=s[:, :, ns + tqf:])
-            self._softcap(s)
-            np.copyto(s, np.float32(-np.inf), where=masked)
-            mx = s.max(axis=-1, keepdims=True)
-            if not mx.min() > -np.inf:
-                mx = np.where(np.isfinite(mx), mx, np.float32(0))
-            p = np.exp(np.subtract(s, mx, out=s), out=s)
-            ls = p.sum(axis=-1, keepdims=True)
-            o = np.zeros((n, g * nb, d), np.float32)
-            if ns:
-                o += np.matmul(p[:, :, :ns], sv)
-            if tqf:
-                o += np.matmul(p[:, :, ns:ns + tqf], vq)
-            if nfp:
-                o += np.matmul(p[:, :, ns + tqf:], rv)
-            for h, col, ch, val in bad:
-                contrib = np.where(keep[:, col].T, p[h, :, col] * val[:, None], np.float32(0))  # [cnt, rows]
-                np.add.at(np.swapaxes(o, 1, 2), (h, ch), contrib)
-            with np.errstate(invalid="ignore", divide="ignore"):
-                o /= ls
-            out4[:, :, i0:i1] = o.reshape(n, g, nb, d)
-        return out4.reshape(n, m, d)
 
     # ================================================================================ protocol
     def _buffers(self) -> list[GrowBuffer]:

@@ -168,7 +168,8 @@ class TractQuantizedDynKvCache(BufferCheckpoint):
         if not self.initialized:
             self._init(b, h, d)
         elif (b, h, d) != (self.b, self.h, self.d):
-            raise InputError(f"{self.who}: cache shape changed between steps ({x.shape} vs B={self.b}, H={self.h}, D={self.d})")
+            raise InputError(f"{self.who}: cache shape changed between steps "
+                             f"({x.shape} vs B={self.b}, H={self.h}, D={self.d})")
         self._ingest(x32.reshape(b * h, s, d))
         self.len += s
         return self.dequantized().astype(out_dtype)
@@ -196,7 +197,8 @@ class TractQuantizedDynKvCache(BufferCheckpoint):
 
     @property
     def window_text(self) -> str:
-        return f"{SINK_TOKENS} sink tokens" + (f" + a partial key block of up to {KEY_BLOCK - 1}" if self.per_channel else "")
+        partial = f" + a partial key block of up to {KEY_BLOCK - 1}" if self.per_channel else ""
+        return f"{SINK_TOKENS} sink tokens" + partial
 
     def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
         """Quantized entries in the cache the attention after this op reads, for each of the next ``n``

@@ -1,11 +1,12 @@
 """``nnef-kv demo``: the whole job on a built-in decoder and a real text.
 
 Builds the small LLaMA-style decoder of :mod:`nnef_kv.models` (f32, explicit cache, deterministic
-weights, 256 ids read by a byte-level tokenizer), converts it with scheme ``kivi`` at each requested bit
-width and with scheme ``tract`` (tract's fused u8 op), and validates every conversion against the f32
-model on the text shipped with the package (the Declaration of Independence): at each context, the
-prompt is prefilled and the next ``eval_tokens`` tokens of the text are teacher-forced (see
-:mod:`.runner`). The contexts are past the full-precision window, so the quantized cache is what is
+weights, 256 ids read by a byte-level tokenizer), converts it with each scheme whose ``demo`` is
+``"bits"`` (``kivi``) at each requested bit width and with each whose ``demo`` is ``"tract"``
+(``tract``: tract's fused u8 op, at its fixed bits; left out by ``--no-tract``), and validates every
+conversion against the f32 model on the text shipped with the package (the Declaration of
+Independence): at each context, the prompt is prefilled and the next ``eval_tokens`` tokens of the
+text are teacher-forced (see :mod:`.runner`). The contexts are past the full-precision window, so the quantized cache is what is
 measured. One row per model and context.
 """
 from __future__ import annotations
@@ -15,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..kv.schemes import SCHEMES
 from ..models import DecoderConfig, build_decoder
 from .runner import Measurement, ValidateOptions, ValidationReport, validate_model
 
-__all__ = ["DemoOptions", "DemoRow", "run_demo", "format_table", "TABLE_COLUMNS"]
+__all__ = ["DemoOptions", "DemoRow", "run_demo", "format_table", "TABLE_COLUMNS", "bits_problem", "variants"]
 
 TABLE_COLUMNS = ("model", "bits", "context", "quantized / fp tokens", "KV bytes", "ratio vs f32", "attn dev (worst)",
                  "attn dev (mean)", "same top", "KL mean", "KL p99", "ppl ratio", "round trip", "tract parity")
@@ -90,6 +92,26 @@ def demo_tokens(vocab: int) -> Any:
     return src
 
 
+def bits_problem(bits: int) -> str | None:
+    """Why a ``--bits`` width is refused by a scheme the demo sweeps (None: every one takes it)."""
+    for s in SCHEMES.values():
+        bad = s.check({"bits": bits}) if s.demo == "bits" else None
+        if bad is not None:
+            return bad.reason
+    return None
+
+
+def variants(opts: DemoOptions) -> list[tuple[str, str, dict[str, Any] | None]]:
+    """(label, bits, convert keywords or None for the f32 reference) of every model the demo measures."""
+    out: list[tuple[str, str, dict[str, Any] | None]] = [("f32 (reference)", "32", None)]
+    for s in SCHEMES.values():
+        if s.demo == "bits":
+            out += [(s.name, str(b), {"scheme": s.name, "bits": b}) for b in opts.bits]
+        elif s.demo == "tract" and opts.tract and s.fixed_bits is not None:
+            out.append((s.name, str(s.fixed_bits), {"scheme": s.name, "bits": s.fixed_bits}))
+    return out
+
+
 def run_demo(opts: DemoOptions, progress: Any = None) -> list[DemoRow]:
     from ..converters import convert
     from ..io.archive import load, save
@@ -105,13 +127,9 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> list[DemoRow]:
         save(build_decoder(cfg), ref_path)
         ref = load(ref_path)
         runs: dict[int, Measurement] = {}
-        variants: list[tuple[str, str, dict[str, Any] | None]] = [("f32 (reference)", "32", None)]
-        variants += [("kivi", str(b), {"scheme": "kivi", "bits": b}) for b in opts.bits]
-        if opts.tract:
-            variants.append(("tract", "8", {"scheme": "tract", "bits": 8}))
         rows: list[DemoRow] = []
         f32_bytes: dict[int, int] = {}
-        for label, bits, kw in variants:
+        for label, bits, kw in variants(opts):
             if kw is None:
                 model, path = ref, ref_path
             else:

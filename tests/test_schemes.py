@@ -1,0 +1,254 @@
+"""KV schemes are plug-ins: the registry (lookup, one-line error), each scheme's one option check (the
+same words from ``convert`` and from the op's constructor), the CLI's ``--scheme`` choices and flags
+read from the registry, and a scheme registered at test time picked up by the CLI, ``convert``, the
+report and ``demo`` without any other edit."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import nnef_kv
+from nnef_kv import ConversionError, GraphError
+from nnef_kv.cli import build_parser, main
+from nnef_kv.converters import ConvertOptions, convert
+from nnef_kv.kv import schemes as S
+from nnef_kv.kv.kivi import KiviSdpa
+from nnef_kv.models import DecoderConfig, build_decoder
+
+from conftest import REPO
+from test_converters import attention_graph
+
+CFG = DecoderConfig(vocab=256, hidden=32, layers=2, heads=4, kv_heads=2, head_dim=8, mlp=64, seed=3)
+
+
+@pytest.fixture(scope="module")
+def f32(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("schemes") / "f32.nnef.tar"
+    nnef_kv.save(build_decoder(CFG), path)
+    return path
+
+
+def _err_line(capsys) -> str:
+    err = capsys.readouterr().err.strip()
+    assert err and "\n" not in err and "Traceback" not in err, err
+    return err
+
+
+def _subparser(name: str):
+    import argparse
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return sub.choices[name]
+
+
+def _flags(parser) -> dict[str, object]:
+    return {opt: a for a in parser._actions for opt in a.option_strings}
+
+
+# ---------------------------------------------------------------------------------------------- registry
+def test_registry_holds_todays_schemes_with_their_ops():
+    assert list(S.SCHEMES) == ["kivi", "tract", "tract-cache"]
+    assert {n: s.op for n, s in S.SCHEMES.items()} == {
+        "kivi": "nnef_kv_kivi_sdpa", "tract": "tract_transformers_quantized_kv_sdpa",
+        "tract-cache": "tract_transformers_quantized_dyn_kv_cache"}
+    assert {n: s.rewrite for n, s in S.SCHEMES.items()} == {"kivi": "attention", "tract": "attention",
+                                                           "tract-cache": "cache"}
+    assert S.scheme("tract") is S.SCHEMES["tract"]
+    assert S.fixed_bits("tract_transformers_quantized_kv_sdpa") == 8 and S.fixed_bits("nnef_kv_kivi_sdpa") is None
+
+
+@pytest.mark.parametrize("name", ["fp8", "", None, ["kivi"]])
+def test_unknown_scheme_is_one_line_listing_the_choices(name):
+    with pytest.raises(ConversionError) as exc:
+        S.scheme(name)
+    msg = str(exc.value)
+    assert "\n" not in msg and msg == f"option scheme={name!r}: expected one of kivi, tract, tract-cache"
+
+
+def test_schemes_module_imports_no_converter():
+    from test_layering import PACKAGE, graph
+
+    deps = graph(PACKAGE)["nnef_kv.kv.schemes"]
+    assert deps and not any(d.startswith("nnef_kv.converters") for d in deps), deps
+
+
+# ---------------------------------------------------------------------------------------------- options
+BAD = [  # (scheme, option values, the message after "option ")
+    ("kivi", dict(bits=9), "bits=9: scheme kivi takes 1..8 bits"),
+    ("kivi", dict(bits=0), "bits=0: scheme kivi takes 1..8 bits"),
+    ("kivi", dict(key_group=0), "key_group=0: must be >= 1"),
+    ("kivi", dict(value_group=-4), "value_group=-4: must be >= 1"),
+    ("kivi", dict(residual=-1), "residual=-1: must be >= 0"),
+    ("kivi", dict(sinks=-2), "sinks=-2: must be >= 0"),
+    ("kivi", dict(bits=4.0), "bits=4.0: an integer is expected"),
+    ("kivi", dict(bits=True), "bits=True: an integer is expected"),
+    ("kivi", dict(bits=9, key_group=1.5), "key_group=1.5: an integer is expected"),  # types first, as before
+    ("tract", dict(bits=9), "bits=9: expected 1..8 (scheme tract is 8-bit whatever)"),
+    ("tract", dict(key_group=0), "key_group=0: must be >= 1"),  # not tract's option: still checked
+    ("tract-cache", dict(bits=6), "bits=6: scheme tract-cache takes 4 or 8 bits"),
+    ("tract-cache", dict(bits=3), "bits=3: scheme tract-cache takes 4 or 8 bits"),
+    ("kivi", dict(colour=1), "colour=1: not an option of any scheme (scheme kivi takes bits, key_group, "
+                             "value_group, residual, sinks)"),
+]
+
+
+@pytest.mark.parametrize("scheme,values,message", BAD)
+def test_one_check_per_scheme_for_every_entry_point(scheme, values, message, tmp_path):
+    """convert(), ConvertOptions and the scheme itself refuse with the same line, before any work."""
+    expected = f"option {message}"
+    with pytest.raises(ConversionError) as a:
+        convert(tmp_path / "never-opened.nnef.tgz", scheme=scheme, **values)
+    with pytest.raises(ConversionError) as b:
+        ConvertOptions.of(scheme, **values)
+    with pytest.raises(ConversionError) as c:
+        S.scheme(scheme).validate(values)
+    assert str(a.value) == str(b.value) == str(c.value) == expected
+
+
+@pytest.mark.parametrize("values", [dict(bits=9), dict(bits=0), dict(key_group=0), dict(value_group=-4),
+                                    dict(residual=-1), dict(sinks=-2)])
+def test_kivi_op_and_convert_refuse_in_the_same_words(values, tmp_path):
+    """The op's constructor (attributes read from an archive) keeps its GraphError, with convert's words."""
+    with pytest.raises(ConversionError) as conv:
+        convert(tmp_path / "x.nnef.tgz", scheme="kivi", **values)
+    with pytest.raises(GraphError) as op:
+        KiviSdpa(**values)
+    assert str(op.value) == "nnef_kv_kivi_sdpa: " + str(conv.value).removeprefix("option ")
+
+
+def test_valid_options_take_the_scheme_defaults():
+    assert S.scheme("kivi").validate({}) == S.KiviOptions(4, 32, 32, 32, 0)
+    o = ConvertOptions.of("tract", key_group=8)  # another scheme's option: checked, kept, ignored
+    assert o.as_dict() == {"scheme": "tract", "bits": 4, "key_group": 8, "value_group": 32, "residual": 32, "sinks": 0}
+    assert o.scheme_options == S.TractOptions(bits=4)
+    assert ConvertOptions("kivi", 2).validate().scheme_options == S.KiviOptions(bits=2)
+
+
+def test_scheme_notes_and_report_settings():
+    assert S.scheme("tract").notes(S.TractOptions(4)) == ["bits=4 ignored: tract_transformers_quantized_kv_sdpa "
+                                                           "stores 8-bit codes"]
+    assert S.scheme("tract").notes(S.TractOptions(8)) == []
+    assert S.report_settings("tract_transformers_quantized_kv_sdpa", {"axis": 2, "scale": 0.5}) == "bits 8"
+    assert S.report_settings("nnef_kv_kivi_sdpa", {"axis": 2, "scale": 0.5, "bits": 4, "key_group": 32,
+                                                   "is_causal": True}) == "bits 4, key_group 32"
+    assert S.report_settings("nnef_kv_ggml_sdpa", {"key_type": "q8_0", "residual": 0}) == "residual 0"
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def test_cli_scheme_choices_and_flags_come_from_the_registry():
+    conv = _subparser("convert")
+    flags = _flags(conv)
+    assert flags["--scheme"].choices == list(S.SCHEMES)
+    assert flags["--scheme"].default == S.DEFAULT_SCHEME
+    for spec in S.all_options():
+        assert flags[spec.flag].dest == spec.name and flags[spec.flag].type is spec.type
+    assert {"--bits", "--key-group", "--value-group", "--residual", "--sinks"} <= set(flags)
+    help_text = flags["--scheme"].help
+    assert all(f"{s.name}: {s.summary}" in help_text for s in S.SCHEMES.values())
+
+
+def test_cli_prints_the_schemes_bits(f32, tmp_path, capsys):
+    assert main(["convert", str(f32), "-o", str(tmp_path / "t.nnef.tar"), "--scheme", "tract"]) == 0
+    assert "with scheme tract, 8 (fixed) bits ->" in capsys.readouterr().out
+    out = tmp_path / "c.nnef.tar"
+    assert main(["convert", str(f32), "-o", str(out), "--scheme", "tract-cache", "--bits", "8"]) == 0
+    assert "with scheme tract-cache, 8 bits ->" in capsys.readouterr().out
+
+
+# ---------------------------------------------------------------------------------------------- plug-in
+@dataclass(frozen=True)
+class WindowOptions:
+    bits: int = S.option(8)
+    window: int = S.option(16, "newest tokens kept in full precision (fake scheme)")
+
+
+def _window_attributes(o: WindowOptions, site: S.AttentionSite) -> dict:
+    return dict(axis=2, scale=float(site.scale), bits=o.bits, key_group=8, value_group=8, residual=o.window,
+                sinks=0, is_causal=bool(site.is_causal))
+
+
+def _window_check(values):
+    from nnef_kv.kv.settings import IntSetting, first_problem
+
+    return first_problem(values, {"bits": IntSetting(1, 8), "window": IntSetting(0)})
+
+
+FAKE = S.Scheme(name="kivi-window", op="nnef_kv_kivi_sdpa", summary="nnef_kv_kivi_sdpa, groups of 8 (test)",
+                rewrite="attention", options=WindowOptions, check=_window_check, make_attributes=_window_attributes,
+                softcap=False, mask_note="attention '{output}': mask '{mask}' gone",
+                notes=lambda o: [f"fake scheme, window {o.window}"], reported=("bits", "residual"), demo="bits")
+
+
+@pytest.fixture
+def fake_scheme(monkeypatch):
+    monkeypatch.setitem(S.SCHEMES, FAKE.name, FAKE)
+    yield FAKE
+    monkeypatch.undo()
+    assert FAKE.name not in S.SCHEMES
+
+
+def test_a_registered_scheme_is_picked_up_everywhere(fake_scheme, f32, tmp_path, capsys):
+    flags = _flags(_subparser("convert"))
+    assert "kivi-window" in flags["--scheme"].choices and "--window" in flags
+    out = tmp_path / "w.nnef.tar"
+    assert main(["convert", str(f32), "-o", str(out), "--scheme", "kivi-window", "--window", "24"]) == 0
+    assert "with scheme kivi-window, 8 bits ->" in capsys.readouterr().out
+    text = nnef_kv.dump(nnef_kv.load(out).document)
+    assert text.count("nnef_kv_kivi_sdpa(") == CFG.layers and "residual = 24" in text and "key_group = 8" in text
+    assert "extension nnef_kv" in text
+
+    # the API, its report and the bad-value path
+    model, report = convert(f32, scheme="kivi-window", window=4)
+    assert "scheme kivi-window (bits 8, window 4)" in report.to_text() and "fake scheme, window 4" in report.notes
+    rng = np.random.default_rng(0)
+    logits = model.session().run({"input_ids": rng.integers(0, CFG.vocab, (1, 5)).astype(np.int64)})["outputs"]
+    assert np.isfinite(logits).all()
+    for argv, needle in ((["--window", "-1"], "option window=-1: must be >= 0"),
+                         (["--bits", "9"], "option bits=9: must be in 1..8")):
+        assert main(["convert", str(f32), "-o", str(tmp_path / "bad.tar"), "--scheme", "kivi-window", *argv]) == 2
+        assert needle in _err_line(capsys)
+    assert not (tmp_path / "bad.tar").exists()
+    # another scheme's option given to kivi: checked by the scheme that declares it
+    with pytest.raises(ConversionError, match="option window=-3: must be >= 0"):
+        convert(f32, scheme="kivi", window=-3)
+
+    # demo: a "bits" scheme gets a row per bit width
+    from nnef_kv.validate.demo import DemoOptions, variants
+
+    got = [(label, bits) for label, bits, _ in variants(DemoOptions(bits=(4,), tract=False))]
+    assert got == [("f32 (reference)", "32"), ("kivi", "4"), ("kivi-window", "4")]
+
+
+def test_demo_variants_read_the_registry():
+    from nnef_kv.validate.demo import DemoOptions, bits_problem, variants
+
+    got = variants(DemoOptions(bits=(8, 2)))
+    assert [(a, b) for a, b, _ in got] == [("f32 (reference)", "32"), ("kivi", "8"), ("kivi", "2"), ("tract", "8")]
+    assert got[-1][2] == {"scheme": "tract", "bits": 8}
+    assert [a for a, _, _ in variants(DemoOptions(bits=(4,), tract=False))] == ["f32 (reference)", "kivi"]
+    assert bits_problem(9) == "scheme kivi takes 1..8 bits" and bits_problem(3) is None
+
+
+def test_passes_read_the_scheme_not_its_name(fake_scheme):
+    """The mask note and the softcap refusal of a fused scheme come from its Scheme object."""
+    from nnef_kv.io.archive import Model
+
+    mask = "mask = slice(x, axes = [1, 3], begin = [0, 0], end = [1, 1]);"  # [1, 1, S, 1]: not a constant
+    text = attention_graph(scale=f"{mask}\n  ss0 = div(s, 2.0);\n  ss = add(ss0, mask);")
+    _, report = convert(Model.from_text(text), scheme="kivi-window")
+    assert any(n.startswith("attention 'y': mask 'mask' gone") for n in report.notes), report.notes
+    capped = attention_graph(scale="t0 = div(s, 3.0);\n  t1 = tanh(t0);\n  ss = mul(t1, 3.0);")
+    with pytest.raises(ConversionError, match=r"nnef_kv_kivi_sdpa has no softcap: use --scheme kivi \(softcap "
+                                              r"attribute\) or --scheme tract-cache"):
+        convert(Model.from_text(capped), scheme="kivi-window")
+
+
+def test_docs_list_the_files_a_scheme_touches():
+    doc = (REPO / "docs" / "architecture-schemes.md").read_text()
+    for path in ("nnef_kv/kv/schemes.py", "nnef_kv/kv/kivi.py", "nnef_kv/grammar/nnef_kv_ops.nnef",
+                 "nnef_kv/converters/frontends/"):
+        assert path in doc
+        assert (REPO / path).exists(), path
