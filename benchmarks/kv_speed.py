@@ -1,28 +1,32 @@
-"""Time of one decode-step attention: exact f32 over an f32 cache vs the KIVI op on its packed cache.
+"""Time of one decode-step attention: the KIVI op on its packed cache vs two exact f32 attentions.
 
-Setup: B=1, 8 kv heads, 8 query heads, D=128, one query token; the cache holds T tokens (T = 512,
-2048, 8192). The f32 reference is exact attention (matmul, softmax, matmul) over ``[1, 8, T, 128]``
-f32 arrays (:func:`nnef_kv.kv.softmax_attention`); the KIVI op's step is the attention part of a call
-(``KiviSdpa._attend``) over its packed cache (key_group 32, value_group 128, residual 32, f16 params)
-at each of ``--bits`` (8 and 4 by default).
+Setup: B=1, 8 kv heads, 8 query heads, D=128, one query token; the cache holds T tokens (T = 512, 2048,
+8192 by default). Three sides, timed back to back in each round (interleaved, the order rotated every
+round, so a change of load hits all of them):
 
-Robust on a loaded machine: in each of ``--repeat`` rounds the f32 step and every KIVI step run back
-to back (interleaved, the order rotated every round), so a change of load hits all of them. Each call
-is timed in wall time (``perf_counter``) and in CPU time of the thread (``thread_time``: time the
-process was descheduled does not count; cache and memory-bandwidth contention still do). Reported
-per T: the f32 times (best and median), and for each bit width
+* ``f32``   -- exact attention (matmul, softmax, matmul) over ``[1, 8, T, 128]`` f32 arrays
+  (:func:`nnef_kv.kv.softmax_attention`), this benchmark's historical baseline;
+* ``f32i``  -- the interpreter's own exact path, what a decoder with ``tract_transformers_dyn_kv_cache``
+  and ``tract_transformers_sdpa`` runs: the planned sdpa kernel over the dyn cache's buffer (the fastest
+  exact path the package has);
+* ``kivi<b>`` -- the attention part of a KIVI call (``KiviSdpa._attend``) over its packed cache (key_group
+  32, value_group 128, residual 32, f16 params) at each of ``--bits``: the numba kernels of
+  :mod:`nnef_kv.kernels.kivi_attention` when they apply (numba importable, ``NNEF_KV_NO_NUMBA`` unset),
+  else the NumPy path. ``numba kernels: off`` in the header when they do not run.
 
-* ``best``   -- best-of-N ratio: fastest KIVI round / fastest f32 round (least disturbed rounds);
-* ``median`` -- median of the per-round ratios;
-* ``cpu``    -- the same two on CPU time (best-of-N / median).
+Each call is timed in wall time and CPU time of the thread. Reported per T: the two f32 times (median),
+and for each bit width the KIVI time and the median of the per-round ratios to each f32 side
+(``kivi / f32``, ``kivi / f32i``: < 1 = KIVI faster), wall and thread CPU time. The first call of each
+KIVI op (numba JIT compile or loading its on-disk cache) is timed apart and printed, never in a round.
 
-Threads: ``--threads N`` gives BLAS N threads (threadpoolctl) *and* the KIVI op N worker threads (it
-splits kv heads), so both sides use the same cores. The BLAS library, its kernel ("architecture")
-and thread count are printed: on some processors ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE`` are
-set in this environment (older OpenBLAS builds need them) and select a slower kernel; to measure a
-current NumPy at its best, unset both *for the benchmark command only* and check the kernel printed.
+Threads: ``--threads N`` gives BLAS N threads (threadpoolctl: both f32 sides) *and* the KIVI op N worker
+threads (it splits kv heads), so all sides may use the same cores. The BLAS library, its kernel
+("architecture") and thread count are printed: on some processors ``OPENBLAS_CORETYPE`` /
+``OPENBLAS_L2_SIZE`` are set in this environment (older OpenBLAS builds need them) and select a slower
+kernel; to measure a current NumPy at its best, unset both *for the benchmark command only*.
 
-Run: ``python benchmarks/kv_speed.py`` (``--repeat 30 --threads 1 --lengths 512 2048 8192 --bits 8 4``).
+Run: ``python benchmarks/kv_speed.py --threads 1`` and ``--threads 2`` (``--repeat 30 --lengths 512 2048 8192
+--bits 8 4 2 1``).
 """
 from __future__ import annotations
 
@@ -52,6 +56,26 @@ def build_kivi(bits: int, k: np.ndarray, v: np.ndarray, threads: int = 1) -> Kiv
     for t0 in range(0, t, step):
         op(q, k[:, :, t0:t0 + step], v[:, :, t0:t0 + step])
     return op
+
+
+def interpreter_f32(k: np.ndarray, v: np.ndarray):
+    """The interpreter's exact decode attention: ``tract_transformers_sdpa`` (its planned, specialised
+    kernel) over the buffers of two ``tract_transformers_dyn_kv_cache`` states holding k, v."""
+    from nnef_kv.interpreter.catalog import lookup
+    from nnef_kv.interpreter.plan.specialize import specialize
+    from nnef_kv.kv.exact import DynKvCache
+
+    caches = []
+    for name, x in (("k", k), ("v", v)):
+        c = DynKvCache(name=name, axis=2, datum_type="f32", past_sequence_shape=[1, H, "P", D],
+                       input_sequence_shape=[1, H, "S", D])
+        c(x)
+        caches.append(c)
+    sdpa = specialize(lookup("tract_transformers_sdpa"), {"scale": D ** -0.5, "datum_type": "f32",
+                                                         "acc_datum_type": "f32", "is_causal": True})
+    assert sdpa is not None
+    kc, vc = caches[0].cache, caches[1].cache
+    return lambda q: sdpa(q, kc, vc)
 
 
 def blas_info() -> list[dict]:
@@ -88,50 +112,64 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--lengths", type=int, nargs="*", default=[512, 2048, 8192])
-    ap.add_argument("--bits", type=int, nargs="*", default=[8, 4])
+    ap.add_argument("--bits", type=int, nargs="*", default=[8, 4, 2, 1])
     ap.add_argument("--json", type=str, default="", help="also write the figures to this file")
     args = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
 
+    from nnef_kv.kernels import numba_available
+
     rng = np.random.default_rng(0)
     results: dict = {"blas": None, "env": {k: os.environ.get(k) for k in ("OPENBLAS_CORETYPE", "OPENBLAS_L2_SIZE")},
-                     "threads": args.threads, "repeat": args.repeat, "rows": {}}
+                     "threads": args.threads, "repeat": args.repeat, "numba": numba_available(), "rows": {}}
     with threadpool_limits(args.threads):
         results["blas"] = blas_info()
         print(f"BLAS: {results['blas']}  env: {results['env']}")
-        print(f"threads={args.threads} repeat={args.repeat}; ratios to f32: best-of-N / median of rounds, "
-              f"wall and thread CPU time")
-        hdr = f"{'T':>6s} {'f32 ms best/med':>16s}"
-        for bits in args.bits:
-            hdr += f" | {'kivi' + str(bits) + ' ms':>9s} {'wall best/med':>13s} {'cpu best/med':>12s}"
-        print(hdr)
+        print(f"threads={args.threads} (BLAS and the KIVI op) repeat={args.repeat}; numba kernels: "
+              f"{'on' if results['numba'] else 'off (NumPy path)'}; load average "
+              f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print("per T: f32 = softmax_attention, f32i = the interpreter's sdpa over its dyn cache (medians); "
+              "per bit width: KIVI ms, then the median of per-round ratios kivi/f32 and kivi/f32i, wall | CPU")
         for t in args.lengths:
             k = rng.standard_normal((1, H, t, D)).astype(np.float32)
             v = rng.standard_normal((1, H, t, D)).astype(np.float32)
             q = rng.standard_normal((1, H, 1, D)).astype(np.float32)
             qn = q.reshape(H, 1, D)
             ops = {bits: build_kivi(bits, k, v, args.threads) for bits in args.bits}
-            fns = {"f32": lambda: softmax_attention(q, k, v, D ** -0.5)}
+            f32i = interpreter_f32(k, v)
+            got_a, got_b = softmax_attention(q, k, v, D ** -0.5), f32i(q)
+            first = {}
+            for bits, op in ops.items():  # the first call: JIT compile or cache load, kept out of the rounds
+                t0 = time.perf_counter()
+                op._attend(qn, 1)
+                first[bits] = time.perf_counter() - t0
+            fns = {"f32": lambda: softmax_attention(q, k, v, D ** -0.5), "f32i": lambda: f32i(q)}
             for bits in args.bits:
                 fns[f"kivi{bits}"] = (lambda op: lambda: op._attend(qn, 1))(ops[bits])
             wall, cpu = time_rounds(fns, args.repeat)
-            f32w, f32c = wall["f32"], cpu["f32"]
-            row = {"f32_ms_best": 1e3 * float(f32w.min()), "f32_ms_median": 1e3 * float(np.median(f32w))}
-            line = f"{t:6d} {row['f32_ms_best']:7.3f}/{row['f32_ms_median']:<8.3f}"
+            row = {"f32_ms": 1e3 * float(np.median(wall["f32"])), "f32i_ms": 1e3 * float(np.median(wall["f32i"])),
+                   "f32_vs_f32i_max_abs_diff": float(np.abs(got_a - got_b).max())}
+            print(f"T = {t}: f32 {row['f32_ms']:.3f} ms, f32i {row['f32i_ms']:.3f} ms "
+                  f"(max |f32 - f32i| {row['f32_vs_f32i_max_abs_diff']:.1e})")
             for bits in args.bits:
                 nm = f"kivi{bits}"
                 w, c = wall[nm], cpu[nm]
-                row[nm] = {
+                f32w, f32c = wall["f32"], cpu["f32"]
+                r = {  # best-of-N and median against f32 (the figures of earlier versions), then both f32 sides
                     "ms_best": 1e3 * float(w.min()), "ms_median": 1e3 * float(np.median(w)),
                     "ratio_best": float(w.min() / f32w.min()), "ratio_median": float(np.median(w / f32w)),
-                    "cpu_ratio_best": float(c.min() / f32c.min()),
+                    "cpu_ratio_best": float(c.min() / max(f32c.min(), 1e-9)),
                     "cpu_ratio_median": float(np.median(c / np.maximum(f32c, 1e-9))),
+                    "ms": 1e3 * float(np.median(w)), "first_call_s": first[bits],
+                    "ratio_f32": float(np.median(w / wall["f32"])), "ratio_f32i": float(np.median(w / wall["f32i"])),
+                    "cpu_ratio_f32": float(np.median(c / np.maximum(cpu["f32"], 1e-9))),
+                    "cpu_ratio_f32i": float(np.median(c / np.maximum(cpu["f32i"], 1e-9))),
                 }
-                r = row[nm]
-                line += (f" | {r['ms_best']:9.3f} {r['ratio_best']:6.2f}/{r['ratio_median']:<6.2f} "
-                         f"{r['cpu_ratio_best']:5.2f}/{r['cpu_ratio_median']:<6.2f}")
+                row[nm] = r
+                print(f"  {nm}: {r['ms']:7.3f} ms; kivi/f32 {r['ratio_f32']:.2f}x, kivi/f32i "
+                      f"{r['ratio_f32i']:.2f}x (CPU {r['cpu_ratio_f32']:.2f}x | {r['cpu_ratio_f32i']:.2f}x); "
+                      f"first call {r['first_call_s']:.2f} s", flush=True)
             results["rows"][t] = row
-            print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=1))
     return results

@@ -2,6 +2,8 @@
 layout, the loops and why the key core alone has ``fastmath={"reassoc"}``)."""
 from __future__ import annotations
 
+import itertools
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -34,15 +36,16 @@ def _prange_is_safe() -> bool:
     return False  # pragma: no cover
 
 
-#: how ``threads > 1`` splits the kv heads: "prange" (numba ``parallel=True`` loops over the heads) or
-#: "pool" (a thread pool over contiguous head ranges, one nogil call a thread a phase). Measured on the
-#: 2-vCPU machine, 4 bits, T = 8192 (benchmarks/kernels.py, each mode in a fresh process): threads=2
-#: takes 0.58-0.61x of threads=1 with prange, 0.72-0.76x with the pool (Python dispatch and waking a
-#: sleeping worker, ~0.1-0.3 ms a call, against OpenMP workers that spin). prange when the threading
-#: layer is thread-safe, else the pool. Caveat: OpenMP's workers spin for a while after each call, and
-#: on this shared VM interleaving them with OpenBLAS's own spinning threads makes 2-thread timings of
-#: either side erratic (see the benchmark output).
-PARALLEL = "prange" if _prange_is_safe() else "pool"
+#: how ``threads > 1`` splits the kv heads: "pool" (the calling thread and pool threads claim heads one
+#: at a time, one nogil call a head a phase; a head no helper has claimed when the caller runs out is
+#: the caller's, so a descheduled helper costs at most the head it holds) or "prange" (numba
+#: ``parallel=True`` loops over the heads, OpenMP or TBB). Measured on the shared 2-vCPU machine
+#: (benchmarks/kernels.py, 4 bits): with the other core busy, prange's spinning OpenMP workers made a
+#: step 10-27x slower than one thread (T = 2048) where the claiming pool stays near one thread's time;
+#: on a quiet machine prange was 0.58-0.61x of one thread and a static pool 0.72-0.76x. Default:
+#: the pool; ``NNEF_KV_KIVI_PARALLEL=prange`` selects prange (when the threading layer is thread-safe).
+PARALLEL = "prange" if os.environ.get("NNEF_KV_KIVI_PARALLEL", "").strip() == "prange" and _prange_is_safe() \
+    else "pool"
 
 
 # ===================================================================================== keys
@@ -426,16 +429,26 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 
 def _over_heads(core, n: int, threads: int, *args: Any) -> None:
-    """core(h0, h1, *args) over contiguous ranges of the n heads, on ``threads`` threads."""
+    """core(h, h + 1, *args) for the n heads, claimed one at a time by the calling thread and
+    ``threads - 1`` pool threads (``next`` on a shared counter is atomic under the GIL; each core call
+    releases it). A helper that has not started when the heads run out is cancelled, not waited for."""
     nth = max(1, min(int(threads), n))
     if nth == 1:
         core(0, n, *args)
         return
-    bounds = np.linspace(0, n, nth + 1).astype(int)
-    futs = [_pool(nth).submit(core, int(bounds[i]), int(bounds[i + 1]), *args) for i in range(1, nth)]
-    core(int(bounds[0]), int(bounds[1]), *args)  # the calling thread takes the first range
+    counter = itertools.count()
+
+    def claim() -> None:
+        for h in iter(counter.__next__, n):
+            if h >= n:
+                return
+            core(h, h + 1, *args)
+
+    futs = [_pool(nth - 1).submit(claim) for _ in range(nth - 1)]
+    claim()
     for f in futs:
-        f.result()
+        if not f.cancel():
+            f.result()
 
 
 def _leading(a: np.ndarray) -> np.ndarray:
