@@ -11,11 +11,20 @@ written in one of three forms (``--form``):
 * ``dyn``: torch-to-nnef's op spelling (chains of small ops) with the same session-held dyn caches and
   sdpa (``cache="dyn"``);
 * ``explicit``: torch-to-nnef's explicit-cache export (``cache="explicit"``): the caches go in and out
-  of every call as arrays.
+  of every call as arrays;
+* ``q4``: the same explicit export with its linear weights as Q4_0 blocks (``weights="q4_0"``), as
+  ``--compression-method min_max_q4_0`` writes it.
 
 ``--archive PATH`` times an existing decoder archive instead (explicit or session caches: the signature
 ``nnef_kv.validate.decode.detect_signature`` recognises; the model sizes printed are then the flags', not
-the archive's).
+the archive's). ``--tract-archive PATH``: tract runs that archive instead of the same one (a KIVI archive
+made by ``nnef-kv convert`` against tract on the f32 export it was converted from: tract has no KIVI op).
+
+Cold start: before the lockstep rounds each engine decodes a few tokens once (not timed into the
+figures); the time of that first session's load, prompt and first decode call (numba compiling or loading
+its on-disk cache for the kernels the archive uses, tract's planning) is printed apart. ``--rss``: the
+resident memory of each engine, each in a fresh process (after load, then after the prompt and one decode
+call), with its anonymous / file-backed parts.
 
 Both engines prefill a prompt then decode greedily, one token per call; the script prints tokens/s of the
 decode phase for nnef-kv (1 and 2 BLAS threads, via threadpoolctl; and ``nnef-kv/2s``: BLAS on one thread,
@@ -53,8 +62,9 @@ from typing import Any
 
 import numpy as np
 
-#: --form -> the built-in decoder's (cache, spelling)
-FORMS = {"tract": ("dyn", "tract"), "dyn": ("dyn", "torch-to-nnef"), "explicit": ("explicit", "torch-to-nnef")}
+#: --form -> the built-in decoder's (cache, spelling, weights)
+FORMS = {"tract": ("dyn", "tract", "f32"), "dyn": ("dyn", "torch-to-nnef", "f32"),
+         "explicit": ("explicit", "torch-to-nnef", "f32"), "q4": ("explicit", "torch-to-nnef", "q4_0")}
 
 
 @dataclass
@@ -78,11 +88,11 @@ class Config:
         """The ``nnef_kv.models.DecoderConfig`` of this benchmark model (weights N(0, 1/hidden))."""
         from nnef_kv.models import DecoderConfig
 
-        cache, spelling = FORMS[self.form]
+        cache, spelling, weights = FORMS[self.form]
         return DecoderConfig(vocab=self.vocab, hidden=self.hidden, layers=self.layers, heads=self.heads,
                              kv_heads=self.kv_heads, head_dim=self.head_dim, mlp=self.ffn, rope_theta=self.rope_theta,
                              eps=self.eps, seed=self.seed, init_std=float(self.hidden) ** -0.5, cache=cache,
-                             spelling=spelling, name="decoder")
+                             spelling=spelling, weights=weights, name="decoder")
 
 
 def write_archive(c: Config, folder: Path) -> Path:
@@ -237,19 +247,49 @@ def _alternate(engines: list[_Engine], steps: int) -> None:
             e.step()
 
 
-def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, rounds: int) -> dict[str, Any]:
-    """nnef-kv (BLAS on ``blas_threads``) and tract decoding side by side, one token each in turn (the
-    order alternates), so both see the same moments of a shared machine: a paired measurement. Returns
-    per engine its total decode time over ``rounds`` sequences, and the per-token time ratios."""
+def cold_start(folder: Path, tract_folder: Path, prompt: np.ndarray) -> dict[str, float]:
+    """The first session of each engine: load, prompt, first decode call (seconds). In a fresh process the
+    nnef-kv figures hold numba's first compilation or on-disk cache load of the kernels the model uses."""
+    from threadpoolctl import threadpool_limits
+
+    got: dict[str, float] = {}
+    with threadpool_limits(limits=1, user_api="blas"):
+        t0 = time.perf_counter()
+        calls = _NnefKvCalls(_session(folder))
+        t1 = time.perf_counter()
+        tok = int(np.argmax(_last(calls.first(prompt))))
+        t2 = time.perf_counter()
+        calls.step(tok)
+        t3 = time.perf_counter()
+        got.update({"nnef-kv load": t1 - t0, "nnef-kv prompt": t2 - t1, "nnef-kv first step": t3 - t2})
+        t0 = time.perf_counter()
+        first, step = _tract_calls(tract_folder, _NnefKvCalls(_session(tract_folder)).sig)
+        t1 = time.perf_counter()
+        tok = int(np.argmax(_last(first(prompt))))
+        t2 = time.perf_counter()
+        step(tok)
+        t3 = time.perf_counter()
+        got.update({"tract load": t1 - t0, "tract prompt": t2 - t1, "tract first step": t3 - t2})
+    return got
+
+
+def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, rounds: int,
+             tract_folder: Path | None = None) -> dict[str, Any]:
+    """nnef-kv (BLAS on ``blas_threads``) and tract (on ``tract_folder``, default the same archive)
+    decoding side by side, one token each in turn (the order alternates), so both see the same moments of
+    a shared machine: a paired measurement. Returns per engine its total decode time over ``rounds``
+    sequences, and the per-token time ratios."""
     from threadpoolctl import threadpool_limits
 
     totals = {"nnef-kv": 0.0, "tract": 0.0}
     ratios: list[float] = []
     same = True
+    tract_folder = tract_folder or folder
+    tract_sig = _NnefKvCalls(_session(tract_folder)).sig
     with threadpool_limits(limits=blas_threads, user_api="blas"):
         for _ in range(rounds):
             calls = _NnefKvCalls(_session(folder))
-            first, step = _tract_calls(folder, calls.sig)
+            first, step = _tract_calls(tract_folder, tract_sig)
             ours = _Engine("nnef-kv", lambda: calls.first(prompt), calls.step)
             theirs = _Engine("tract", lambda: first(prompt), step)
             _alternate([ours, theirs], steps)
@@ -360,6 +400,71 @@ def plan_pair(c: Config, args: argparse.Namespace) -> None:
           f"{totals['plain'] / totals['planned']:.3f}x (same tokens)")
 
 
+def _memory() -> dict[str, int]:
+    """This process's resident set now (VmRSS) with its anonymous and file-backed parts, bytes."""
+    names = {"VmRSS": "rss", "RssAnon": "anon", "RssFile": "file"}
+    got = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, val = line.partition(":")
+        if key in names:
+            got[names[key]] = int(val.split()[0]) * 1024
+    return got
+
+
+def _rss_child(engine: str, folder: str, prompt: list[int], sig_file: str) -> None:
+    """In a fresh process: one engine's memory after load, then after the prompt and one decode call (tract
+    gets its archive's decode signature from the parent: nothing of nnef-kv's is loaded in its process)."""
+    import json
+    import pickle
+
+    from threadpoolctl import threadpool_limits
+
+    ids = np.asarray(prompt, np.int64)
+    with threadpool_limits(limits=1, user_api="blas"):
+        if engine == "nnef-kv":
+            calls = _NnefKvCalls(_session(Path(folder)))
+            first, step = calls.first, calls.step
+        else:
+            with open(sig_file, "rb") as f:
+                sig = pickle.load(f)
+            first, step = _tract_calls(Path(folder), sig)
+        got = {"load": _memory()}
+        step(int(np.argmax(_last(first(ids)))))
+        got["run"] = _memory()
+    print(json.dumps(got))
+
+
+def rss(folder: Path, tract_folder: Path, prompt: np.ndarray, tract_sig: Any) -> dict[str, Any]:
+    import json
+    import os
+    import pickle
+    import subprocess
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = {}
+    sig_file = Path(tempfile.mkdtemp(prefix="nnef-kv-rss-")) / "sig.pickle"
+    sig_file.write_bytes(pickle.dumps(tract_sig))
+    for engine, path in (("nnef-kv", folder), ("tract", tract_folder)):
+        got = subprocess.run([sys.executable, __file__, "--_rss-child", engine, str(path),
+                              ",".join(str(int(t)) for t in prompt), str(sig_file)],
+                             capture_output=True, text=True, env=env)
+        if got.returncode:
+            raise SystemExit(f"--rss: the {engine} process failed: {got.stderr.strip().splitlines()[-1:]}")
+        out[engine] = json.loads(got.stdout.strip().splitlines()[-1])
+    return out
+
+
+def print_rss(r: dict[str, Any]) -> None:
+    mb = 1 / 2 ** 20
+    ours, theirs = r["nnef-kv"], r["tract"]
+    for stage, what in (("load", "after load"), ("run", "after the prompt and one decode call")):
+        a, b = ours[stage], theirs[stage]
+        print(f"RSS {what} (a fresh process each): nnef-kv {a['rss'] * mb:.1f} MiB (anon {a['anon'] * mb:.1f}, "
+              f"file {a['file'] * mb:.1f}), tract {b['rss'] * mb:.1f} MiB (anon {b['anon'] * mb:.1f}, file "
+              f"{b['file'] * mb:.1f}): ratio {a['rss'] / b['rss']:.2f}x")
+
+
 def _loadavg() -> str:
     try:
         return " ".join(Path("/proc/loadavg").read_text().split()[:3])
@@ -385,7 +490,12 @@ def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
         folder = _folder(c, args, tmp)
         prompt = _prompt(c, args, folder)
         tract_ok = not args.no_tract
-        sig = _NnefKvCalls(_session(folder)).sig
+        tract_folder = Path(args.tract_archive) if getattr(args, "tract_archive", None) else folder
+        sig = _NnefKvCalls(_session(tract_folder)).sig
+        if tract_ok:
+            cold = cold_start(folder, tract_folder, prompt)
+            print("cold start (not in the figures below): "
+                  + ", ".join(f"{k} {v * 1e3:.0f} ms" for k, v in cold.items()))
 
         def nnef(blas_threads: int, threads: int = 1) -> Any:
             def run() -> Result:
@@ -395,7 +505,7 @@ def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
 
         engines: list[tuple[str, Any]] = [("nnef-kv/1", nnef(1)), ("nnef-kv/2", nnef(2)), ("nnef-kv/2s", nnef(1, 2))]
         if tract_ok:
-            engines.append(("tract", lambda: decode_tract(folder, prompt, args.steps, sig)))
+            engines.append(("tract", lambda: decode_tract(tract_folder, prompt, args.steps, sig)))
         for rep in range(args.repeat):
             k = rep % len(engines)
             for name, run in engines[k:] + engines[:k]:
@@ -417,10 +527,12 @@ def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
         locked: dict[int, Any] = {}
         for blas in ((1, 2) if tract_ok and args.lockstep else ()):
             try:
-                locked[blas] = lockstep(folder, prompt, args.steps, blas, args.lockstep)
+                locked[blas] = lockstep(folder, prompt, args.steps, blas, args.lockstep, tract_folder)
             except Exception as exc:  # noqa: BLE001 - tract 0.23.9 fails some GQA decode paths
                 print(f"lockstep: tract failed: {str(exc).splitlines()[0]}")
                 break
+        if getattr(args, "rss", False):
+            print_rss(rss(folder, tract_folder, prompt, sig))
     print(f"load average after:  {_loadavg()}")
     n = args.steps - 1
     rates = {}
@@ -480,6 +592,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--archive", metavar="PATH",
                     help="time this decoder archive (folder, .tar, .tgz; explicit or session caches) instead of the "
                          "built-in one; the size flags and --gqa-kv-heads are then ignored")
+    ap.add_argument("--tract-archive", metavar="PATH",
+                    help="with --archive: tract runs this archive (e.g. the f32 export a KIVI archive was made from)")
+    ap.add_argument("--rss", action="store_true",
+                    help="also the resident memory of each engine, each in a fresh process (after load, after running)")
+    ap.add_argument("--_rss-child", nargs=4, help=argparse.SUPPRESS)
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     ap.add_argument("--profile", action="store_true",
                     help="only print where nnef-kv's decode time goes, op by op (default config, BLAS on 1 thread)")
@@ -487,6 +604,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plan-gain", action="store_true",
                     help="only measure the planner's gain: planned vs plain plan decoding side by side")
     args = ap.parse_args(argv)
+    if args._rss_child:
+        _rss_child(args._rss_child[0], args._rss_child[1], [int(t) for t in args._rss_child[2].split(",")],
+                   args._rss_child[3])
+        return 0
+    if args.tract_archive and not args.archive:
+        ap.error("--tract-archive goes with --archive")
     if args.quick:
         args.layers, args.hidden, args.heads, args.ffn, args.vocab = 2, 64, 4, 128, 256
         args.kv_heads = min(args.kv_heads, 4)
@@ -508,7 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     bench(config, args)
     if args.gqa_kv_heads and args.gqa_kv_heads != args.kv_heads and not args.archive:
-        bench(Config(args.layers, args.hidden, args.heads, args.gqa_kv_heads, args.ffn, args.vocab, form=args.form), args)
+        bench(Config(args.layers, args.hidden, args.heads, args.gqa_kv_heads, args.ffn, args.vocab, form=args.form),
+              args)
     return 0
 
 

@@ -19,6 +19,10 @@ The graph follows what torch-to-nnef's LLM export writes (see ``shared/fixtures/
   the caches), weights ``[1, out, in]`` used through ``matmul(..., transposeB = true)``, norm weights
   ``[1, 1, hidden]``, the final norm on the last position only; no ``tract_assert``. The default spelling,
   ``"torch-to-nnef"``, is the exporter's chains of small ops described above.
+* ``weights="q4_0"`` (torch-to-nnef spelling): the linear weights (q/k/v/o, gate/up/down, LM head) as
+  tract Q4_0 blocks (:meth:`~nnef_kv.io.blockquant.BlockQuantTensor.quantize_q4_0`), declared
+  ``variable(label, shape)`` as ``--compression-method min_max_q4_0`` writes them; the embedding and the
+  norms stay f32.
 
 Blocks: token embedding (gather), per layer RMSNorm -> Q/K/V projections -> RoPE (rotate-half, theta
 ``rope_theta``) -> attention -> output projection -> residual, RMSNorm -> SwiGLU MLP -> residual; final
@@ -36,6 +40,10 @@ __all__ = ["DecoderConfig", "build_decoder_text", "build_decoder_weights", "buil
 
 _CACHE_KINDS = ("explicit", "dyn")
 _SPELLINGS = ("torch-to-nnef", "tract")
+_WEIGHTS = ("f32", "q4_0")
+#: the labels (suffixes) of the linear weights that ``weights="q4_0"`` stores as Q4_0 blocks
+_LINEAR_WEIGHTS = ("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight", "gate_proj.weight",
+                   "up_proj.weight", "down_proj.weight", "lm_head.weight")
 
 
 @dataclass(frozen=True)
@@ -56,6 +64,7 @@ class DecoderConfig:
     init_std: float = 0.1
     cache: str = "explicit"
     spelling: str = "torch-to-nnef"
+    weights: str = "f32"
     name: str = field(default="nnef_kv_tiny_llama")
 
     def validate(self) -> None:
@@ -72,6 +81,12 @@ class DecoderConfig:
             raise GraphError(f"decoder config: cache must be one of {_CACHE_KINDS}, got {self.cache!r}")
         if self.spelling not in _SPELLINGS:
             raise GraphError(f"decoder config: spelling must be one of {_SPELLINGS}, got {self.spelling!r}")
+        if self.weights not in _WEIGHTS:
+            raise GraphError(f"decoder config: weights must be one of {_WEIGHTS}, got {self.weights!r}")
+        if self.weights != "f32" and (self.spelling != "torch-to-nnef" or self.hidden % 32 or self.mlp % 32
+                                      or (self.heads * self.head_dim) % 32):
+            raise GraphError("decoder config: weights='q4_0' needs the torch-to-nnef spelling and hidden, mlp and "
+                             "heads * head_dim multiples of 32 (Q4_0 blocks of 32 inputs)")
         if self.spelling == "tract" and self.cache != "dyn":
             raise GraphError("decoder config: spelling='tract' is written with cache='dyn' only (tract's own form "
                              "keeps the caches in its state)")
@@ -144,6 +159,12 @@ def build_decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
             if k == "model.embed_tokens.weight":
                 continue
             t[k] = v.reshape((1, 1, *v.shape) if k.endswith("norm.weight") else (1, *v.shape))
+    if cfg.weights == "q4_0":
+        from ..io.blockquant import BlockQuantTensor
+
+        for k in list(t):
+            if k.endswith(_LINEAR_WEIGHTS):
+                t[k] = BlockQuantTensor.quantize_q4_0(t[k])
     return t
 
 
@@ -151,8 +172,9 @@ def build_decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
 # graph text
 # ----------------------------------------------------------------------------------------------
 class _Writer:
-    def __init__(self) -> None:
+    def __init__(self, q4: bool = False) -> None:
         self.lines: list[str] = []
+        self.q4 = q4  # linear weights are Q4_0 blocks: declared without a <scalar> generic, as the exporter does
 
     def __call__(self, lhs: str, rhs: str) -> str:
         self.lines.append(f"    {lhs} = {rhs};")
@@ -183,7 +205,10 @@ def _rmsnorm(out: _Writer, x: str, label: str, prefix: str, cfg: DecoderConfig) 
 
 
 def _linear(out: _Writer, x: str, label: str, shape: tuple[int, int], name: str) -> str:
-    wv = _var(out, f"{name}_weight", label, shape)
+    if out.q4:
+        wv = out(f"{name}_weight", f"variable(label = '{label}', shape = [{shape[0]}, {shape[1]}])")
+    else:
+        wv = _var(out, f"{name}_weight", label, shape)
     we = out(f"{name}_weight_expanded", f"unsqueeze({wv}, axes = [0])")
     return out(name, f"linear({x}, {we}, 0.0)")
 
@@ -222,7 +247,7 @@ def build_decoder_text(cfg: DecoderConfig) -> str:
         return _tract_text(cfg)
     explicit = cfg.cache == "explicit"
     d, hq, hkv = cfg.head_dim, cfg.heads, cfg.kv_heads
-    out = _Writer()
+    out = _Writer(q4=cfg.weights == "q4_0")
     inputs = ["input_ids"] + cache_input_names(cfg)
     outputs = ["outputs"] + cache_output_names(cfg)
     out("input_ids", "tract_core_external(shape = [1, S], datum_type = 'i64')")
