@@ -17,9 +17,12 @@ __all__ = ["match_attention", "match_views"]
 # ------------------------------------------------------------------------------------------------
 # attention
 # ------------------------------------------------------------------------------------------------
-def _repeat_chain(w_: Walk, slot: int, reader: int) -> tuple[int, Node, Node, list[Node]] | None:
-    """The grouped-query repeat ``reshape+(tile(unsqueeze(kv, [2])))`` read only by ``reader``: (the kv
-    slot, unsqueeze, tile, reshapes in order)."""
+def _repeat_chain(w_: Walk, slot: int, reader: int) -> tuple[int, bool, Node, list[Node]] | None:
+    """The grouped-query repeat ``reshape+(tile(unsqueeze(kv, [2])))`` read only by ``reader``: (the slot
+    the chain reads, whether that is the unsqueezed ``[B, Hkv, 1, T, D]`` value, the tile, the reshapes in
+    order). The unsqueeze joins the chain when nothing else reads its value; torch-to-nnef also takes its
+    shape (``tract_core_shape_of``) for the tile's repeats: then it stays a step of its own (a view) and
+    the chain reads its output."""
     mark = set(w_.members)
     reshapes: list[Node] = []
     cur, rd = slot, reader
@@ -30,11 +33,20 @@ def _repeat_chain(w_: Walk, slot: int, reader: int) -> tuple[int, Node, Node, li
         reshapes.insert(0, got[1])
         cur, rd = got[1].inputs[0], got[0]
     tl = reshapes and w_.inner(cur, rd, "tile")
-    un = tl and w_.inner(tl[1].inputs[0], tl[0], "unsqueeze")
-    if not (un and un[1].attrs.get("axes") == [2] and isinstance(un[1].inputs[0], int)):
+    if not tl or not isinstance(tl[1].inputs[0], int):
         w_.members = mark
         return None
-    return un[1].inputs[0], un[1], tl[1], reshapes
+    u_slot = tl[1].inputs[0]
+    un = w_.inner(u_slot, tl[0], "unsqueeze")
+    if un and un[1].attrs.get("axes") == [2] and isinstance(un[1].inputs[0], int):
+        return un[1].inputs[0], False, tl[1], reshapes
+    if un:
+        w_.members.discard(un[0])
+    got = w_.flow.node_of(u_slot)
+    if got is not None and got[1].op == "unsqueeze" and got[1].attrs.get("axes") == [2] and not got[1].prim.stateful:
+        return u_slot, True, tl[1], reshapes
+    w_.members = mark
+    return None
 
 
 def _repeats(kv: np.ndarray, tile: Node, reshapes: list[Node], v: list) -> int | None:
@@ -115,6 +127,13 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     def fast(v: list, q_=q_slot, k_=kk, v_=vv, mask=mask, mpos=mpos, scale=scale, spos=spos, ax=ax,
              krep=krep, vrep=vrep) -> Any:
         q, kv, vv_ = v[q_], v[k_], v[v_]
+        if krep is not None and krep[1]:  # the chains read the unsqueezed [B, Hkv, 1, T, D] values
+            if not (type(kv) is np.ndarray and kv.ndim == 5 and kv.shape[2] == 1 and type(vv_) is np.ndarray
+                    and vv_.ndim == 5 and vv_.shape[2] == 1 and vrep[1]):
+                return NotImplemented
+            kv, vv_ = kv[:, :, 0], vv_[:, :, 0]
+        elif vrep is not None and vrep[1]:
+            return NotImplemented
         if not (is_f32(q) and is_f32(kv) and is_f32(vv_) and q.ndim == kv.ndim == vv_.ndim == 4):
             return NotImplemented
         if ax not in (-1, 3) or (scale is not None and not scalarish(scale, 4)):

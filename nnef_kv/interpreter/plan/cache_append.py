@@ -10,8 +10,9 @@ is returned: O(S). "That view" means the very array object returned last for tha
 input (a fresh array, a copy, an older or shorter view, another view of the same memory, another dtype)
 goes into a new buffer, as a concat would copy it.
 
-The values are exactly ``concat``'s; what differs is the layout: the view is not C-contiguous (the buffer
-has spare capacity along ``axis``). Nothing is ever written inside a view already handed out (only past
+The values are exactly ``concat``'s, in ``concat``'s axis order (:func:`concat_order`); what differs is
+that the view is not contiguous (the buffer has spare capacity along ``axis``): the strides of the axes
+outside ``axis`` in that order are the capacity's. Nothing is ever written inside a view already handed out (only past
 its end), so a caller holding an older output still sees what it saw; two calls given the same view (two
 threads, or a retried step) cannot both grow it: the first claims the spare room (under a lock), the
 second copies.
@@ -27,48 +28,96 @@ import numpy as np
 from ..graph import Graph, Node
 from .steps import Step
 
-__all__ = ["grow_concat", "rewrite_cache_concats", "GROWTH", "MIN_SPARE"]
+__all__ = ["grow_concat", "concat_order", "rewrite_cache_concats", "GROWTH", "MIN_SPARE"]
 
 #: spare capacity a new buffer gets: a quarter of its length, at least MIN_SPARE positions
 GROWTH = 0.25
 MIN_SPARE = 64
 
 _lock = threading.Lock()
-#: id(buffer) -> [weakref to the buffer, positions written, weakref to the last view handed out]
+#: id(owner) -> [weakref to the owner, positions written, weakref to the last view handed out, the buffer
+#: (the owner seen in the graph's axis order), the buffer's axis order]
 _fill: dict[int, list[Any]] = {}
+_perms: dict[tuple, tuple[int, ...]] = {}
 
 
-def _forget(key: int) -> None:
-    with _lock:
-        _fill.pop(key, None)
+def _forget(key: int, lock: Any = _lock, fill: dict = _fill) -> None:
+    """Weakref callback: the buffer is gone (bound defaults: module globals may be cleared at exit)."""
+    with lock:
+        fill.pop(key, None)
 
 
-def _new_buffer(shape: list[int], axis: int, dtype: np.dtype) -> np.ndarray:
+def concat_order(arrays: list[np.ndarray]) -> tuple[int, ...]:
+    """The axis order (outermost first) of the array ``np.concatenate(arrays)`` returns: NumPy keeps its
+    inputs' layout (``PyArray_CreateMultiSortedStridePerm``: a stable insertion sort of the axes by their
+    strides in every input where both axes are longer than 1, C order winning conflicts; re-implemented
+    here, checked against NumPy in the tests). The buffer is laid out the same way, so every product
+    reading the cache sees the strides it would see on ``concat``'s result (BLAS's summation can depend
+    on them)."""
+    ndim = arrays[0].ndim
+    perm = list(range(ndim))
+    for i0 in range(1, ndim):
+        ipos, j0 = i0, perm[i0]
+        for i1 in range(i0 - 1, -1, -1):
+            ambiguous, swap = True, False
+            j1 = perm[i1]
+            for a in arrays:
+                if a.shape[j0] != 1 and a.shape[j1] != 1:
+                    if abs(a.strides[j0]) <= abs(a.strides[j1]):
+                        swap = False
+                    elif ambiguous:
+                        swap = True
+                    ambiguous = False
+            if not ambiguous:
+                if swap:
+                    ipos = i1
+                else:
+                    break
+        if ipos != i0:
+            perm[ipos + 1:i0 + 1] = perm[ipos:i0]
+            perm[ipos] = j0
+    return tuple(perm)
+
+
+def _order(x: np.ndarray, new: np.ndarray) -> tuple[int, ...]:
+    key = (x.shape, x.strides, new.shape, new.strides)
+    got = _perms.get(key)
+    if got is None:
+        got = concat_order([x, new])
+        if len(_perms) > 4096:
+            _perms.clear()
+        _perms[key] = got
+    return got
+
+
+def _new_buffer(shape: list[int], axis: int, dtype: np.dtype, perm: tuple[int, ...]) -> tuple[np.ndarray, list]:
     n = shape[axis]
     cap = list(shape)
     cap[axis] = n + max(MIN_SPARE, int(n * GROWTH))
-    buf = np.empty(cap, dtype)
-    key = id(buf)
+    owner = np.empty([cap[p] for p in perm], dtype)
+    buf = owner.transpose(np.argsort(perm))
+    key = id(owner)
+    meta = [weakref.ref(owner, lambda _r, key=key, forget=_forget: forget(key)), 0, None, buf, perm]
     with _lock:
-        _fill[key] = [weakref.ref(buf, lambda _r, key=key: _forget(key)), 0, None]
-    return buf
+        _fill[key] = meta
+    return buf, meta
 
 
-def _claim(x: np.ndarray, axis: int, extra: int) -> tuple[np.ndarray, int, list[Any]] | None:
+def _claim(x: np.ndarray, axis: int, extra: int, perm: tuple[int, ...]) -> tuple[np.ndarray, int, list[Any]] | None:
     """``(buffer, start, its record)`` when ``x`` is the last view handed out of one of our buffers (all
-    that is written in it) with room for ``extra`` more positions along ``axis``; the buffer's fill then
-    moves past them (claimed, under the lock). Else None."""
-    buf = x.base
-    if type(buf) is not np.ndarray:
+    that is written in it), laid out in ``perm``, with room for ``extra`` more positions along ``axis``;
+    the buffer's fill then moves past them (claimed, under the lock). Else None."""
+    owner = x.base
+    if type(owner) is not np.ndarray:
         return None
     n = x.shape[axis]
     with _lock:
-        meta = _fill.get(id(buf))
-        if (meta is None or meta[0]() is not buf or meta[2] is None or meta[2]() is not x or meta[1] != n
-                or n + extra > buf.shape[axis]):
+        meta = _fill.get(id(owner))
+        if (meta is None or meta[0]() is not owner or meta[2] is None or meta[2]() is not x or meta[1] != n
+                or meta[4] != perm or n + extra > meta[3].shape[axis]):
             return None
         meta[1] = n + extra
-    return buf, n, meta
+    return meta[3], n, meta
 
 
 def grow_concat(values: list[np.ndarray], axis: int) -> np.ndarray:
@@ -85,15 +134,15 @@ def grow_concat(values: list[np.ndarray], axis: int) -> np.ndarray:
         return _generic(values, axis)
     s = new.shape[a]
     lead = (slice(None),) * a
-    got = _claim(x, a, s)
+    perm = _order(x, new)
+    got = _claim(x, a, s, perm)
     if got is None:
         total = list(x.shape)
         total[a] += s
-        buf = _new_buffer(total, a, x.dtype)
+        buf, meta = _new_buffer(total, a, x.dtype, perm)
         start = x.shape[a]
         buf[lead + (slice(0, start),)] = x
         with _lock:
-            meta = _fill[id(buf)]
             meta[1] = start + s
     else:
         buf, start, meta = got

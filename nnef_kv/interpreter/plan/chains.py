@@ -112,7 +112,8 @@ def chain_node(op: str, members: list[Node], inputs: list[int]) -> Node:
 
 def chain_step(members: list[tuple[Step, Node]], fast: Callable[[list], Any], out: int) -> Step:
     """One step for a chain: ``fast(v)`` returns the root's value, or ``NotImplemented`` when its guard does
-    not hold (another dtype, other bounds...); then the member steps run in order, as unfused."""
+    not hold (another dtype, other bounds...); then the member steps run in order, as unfused. The step's
+    ``fallbacks`` attribute counts the runs that took the member steps (for tests and profiles)."""
     steps = [(st, nd) for st, nd in members]
 
     def step(v: list, st: list) -> None:
@@ -120,11 +121,13 @@ def chain_step(members: list[tuple[Step, Node]], fast: Callable[[list], Any], ou
         if y is not NotImplemented:
             v[out] = y
             return
+        step.fallbacks += 1  # type: ignore[attr-defined]
         for s, nd in steps:
             try:
                 s(v, st)
             except Exception as exc:
                 raise node_error(nd, exc) from exc
+    step.fallbacks = 0  # type: ignore[attr-defined]
     return step
 
 
