@@ -66,6 +66,15 @@ def _repeats(kv: np.ndarray, tile: Node, reshapes: list[Node], v: list) -> int |
     return g if dims == [b, h * g, t, d] else None
 
 
+def _rows_contiguous(x: np.ndarray) -> np.ndarray:
+    """``x`` when each of its ``[T, D]`` matrices has contiguous rows (what a product by the tiled copy
+    sees: BLAS may sum in another order for other strides), else a C-contiguous copy (of the kv heads,
+    not of the repeats)."""
+    if x.strides[-1] == x.itemsize and x.strides[-2] == x.itemsize * x.shape[-1]:
+        return x
+    return np.ascontiguousarray(x)
+
+
 def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     root = flow.nodes[k]
     if root.op != "matmul" or pair(root) is None or root.attrs.get("transposeA") or root.attrs.get("transposeB"):
@@ -148,6 +157,8 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
             g = 1
         if (b2, d2) != (b, d) or vv_.shape[:3] != (b, hkv, t) or hkv * g != hq:
             return NotImplemented
+        if krep is not None:  # the unfused products read the tile's copies: [T, D] rows, contiguous
+            kv, vv_ = _rows_contiguous(kv), _rows_contiguous(vv_)
         if g == 1:
             s = np.matmul(q, np.swapaxes(kv, -1, -2))
             sv = s

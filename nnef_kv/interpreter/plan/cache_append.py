@@ -25,7 +25,8 @@ from typing import Any
 
 import numpy as np
 
-from ..graph import Graph, Node
+from ..graph import Graph, Node, slots_of
+from ..values import Lazy
 from .steps import Step
 
 __all__ = ["grow_concat", "concat_order", "rewrite_cache_concats", "GROWTH", "MIN_SPARE"]
@@ -120,9 +121,10 @@ def _claim(x: np.ndarray, axis: int, extra: int, perm: tuple[int, ...]) -> tuple
     return meta[3], n, meta
 
 
-def grow_concat(values: list[np.ndarray], axis: int) -> np.ndarray:
+def grow_concat(values: list[np.ndarray], axis: int, c_order: bool = False) -> np.ndarray:
     """``concat(values, axis)`` for ``[cache, new]`` (see the module docstring); anything else: the concat
-    kernel."""
+    kernel. ``c_order``: the buffer in C order whatever ``concat`` would choose (when no product reads the
+    result's strides: the grouped-query repeat copies it first)."""
     if len(values) != 2:
         return _generic(values, axis)
     x, new = values
@@ -134,7 +136,7 @@ def grow_concat(values: list[np.ndarray], axis: int) -> np.ndarray:
         return _generic(values, axis)
     s = new.shape[a]
     lead = (slice(None),) * a
-    perm = _order(x, new)
+    perm = tuple(range(x.ndim)) if c_order else _order(x, new)
     got = _claim(x, a, s, perm)
     if got is None:
         total = list(x.shape)
@@ -158,9 +160,37 @@ def _generic(values: list[np.ndarray], axis: int) -> np.ndarray:
     return concat(values, axis=axis)
 
 
+def _only_repeated(graph: Graph, slot: int) -> bool:
+    """Nothing in the graph reads ``slot``'s strides: every reader takes its shape (``tract_core_shape_of``)
+    or is the grouped-query repeat ``unsqueeze(x, [2])`` whose value only shape readers and ``tile`` (a
+    C-ordered copy) read."""
+    readers: dict[int, list[Node]] = {}
+    for node in graph.nodes:
+        for spec in node.inputs:
+            for s in slots_of(spec):
+                readers.setdefault(s, []).append(node)
+        for a in node.attrs.values():
+            if isinstance(a, Lazy) and (a.reads is None or slot in a.reads):
+                return False
+    shape_only = ("tract_core_shape_of", "shape_of")
+    found = False
+    for r in readers.get(slot, []):
+        if r.op in shape_only:
+            continue
+        if r.op != "unsqueeze" or r.attrs.get("axes") != [2] or len(r.outputs) != 1 \
+                or not isinstance(r.outputs[0], int) or r.outputs[0] in {s for _, s in graph.outputs}:
+            return False
+        for rr in readers.get(r.outputs[0], []):
+            if rr.op not in shape_only and rr.op != "tile":
+                return False
+        found = True
+    return found
+
+
 def rewrite_cache_concats(graph: Graph, steps: list[Step], nodes: list[Node]) -> tuple[list[Step], int]:
     """The steps of ``concat([graph input, x], axis)`` producing a graph output, with a static axis, run
-    :func:`grow_concat`; returns the steps and how many were rewritten."""
+    :func:`grow_concat` (in C order when only the grouped-query repeat reads the cache, see
+    :func:`_only_repeated`); returns the steps and how many were rewritten."""
     inputs = {i.slot for i in graph.inputs}
     outputs = {s for _, s in graph.outputs}
     out = list(steps)
@@ -175,9 +205,10 @@ def rewrite_cache_concats(graph: Graph, steps: list[Step], nodes: list[Node]) ->
             continue
         a, b = vals
         o = node.outputs[0]
+        c_order = _only_repeated(graph, o)
 
-        def step(v: list, st: list, a: int = a, b: int = b, o: int = o, axis: int = axis) -> None:
-            v[o] = grow_concat([v[a], v[b]], axis)
+        def step(v: list, st: list, a: int = a, b: int = b, o: int = o, axis: int = axis, c: bool = c_order) -> None:
+            v[o] = grow_concat([v[a], v[b]], axis, c)
         out[k] = step
         n += 1
     return out, n
