@@ -10,7 +10,9 @@ Nothing here imports numba at ``import nnef_kv`` time: the numba side lives in m
 core, compiles or loads the on-disk cache of the numba functions, ``cache=True``).
 
 ``NNEF_KV_NO_NUMBA=1`` in the environment forces the NumPy references (the "forced fallback" of tests
-and CI); it is read at every call, so a test can flip it.
+and CI); it is read at every call, so a test can flip it. A kernel numba cannot build on a platform (its
+``_*_jit`` module fails to import, numba or LLVM raise while compiling) falls back to its reference for
+the rest of the process, with one RuntimeWarning (``Kernel.broken`` says why).
 
 Kernels:
 
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import os
+import warnings
 from typing import Any, Callable
 
 __all__ = ["numba_available", "Kernel", "kernel", "NO_NUMBA_ENV"]
@@ -59,6 +62,8 @@ class Kernel:
         self.reference = reference
         self.jit_path = jit_path
         self._jit: Callable[..., Any] | None = None
+        #: why the numba side is not used any more in this process (it failed to import or compile), or None
+        self.broken: str | None = None
         self.__name__ = reference.__name__
         self.__qualname__ = getattr(reference, "__qualname__", reference.__name__)
         self.__doc__ = reference.__doc__
@@ -74,12 +79,30 @@ class Kernel:
         return self._jit
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if numba_available():
-            return self.jit(*args, **kwargs)
+        if numba_available() and self.broken is None:
+            try:
+                return self.jit(*args, **kwargs)
+            except Exception as exc:  # noqa: BLE001 - sorted below: compilation failures fall back
+                if not _compile_failure(exc):
+                    raise
+                self.broken = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                warnings.warn(f"nnef_kv.kernels: {self.__name__}: numba could not compile it here "
+                              f"({self.broken[:200]}); the NumPy reference runs instead", RuntimeWarning,
+                              stacklevel=2)
         return self.reference(*args, **kwargs)
 
     def __repr__(self) -> str:
         return f"<kernel {self.__module__}.{self.__name__} (numba: {self.jit_path})>"
+
+
+def _compile_failure(exc: BaseException) -> bool:
+    """``exc`` says numba (or LLVM through llvmlite) could not build the kernel on this platform, as opposed
+    to an error of the arguments, which the reference would raise too: numba's own errors, an import
+    failure of the ``_*_jit`` module, llvmlite's errors."""
+    if isinstance(exc, ImportError):
+        return True
+    mod = type(exc).__module__ or ""
+    return mod.startswith(("numba", "llvmlite"))
 
 
 def kernel(jit_path: str) -> Callable[[Callable[..., Any]], Kernel]:

@@ -17,8 +17,9 @@
   faster on the 2-core machine (measured). A hint only (same ISA, same results up to the lane count of
   the ``reassoc`` sums); not applied on Skylake-SP / Cascade Lake / Cooper Lake, or with
   ``NNEF_KV_NUMBA_WIDE=0`` at the first compilation (clear numba's cache, ``__pycache__/*.nbi|nbc``,
-  after changing it). It goes through llvmlite's attribute printer (private API): any failure leaves the
-  function as numba made it.
+  after changing it). It goes through llvmlite's attribute printer (private API, its arguments passed
+  through whatever they are): the function is printed once with the hint, and any failure puts numba's
+  own attributes back, so a changed llvmlite costs the hint, never the kernel.
 """
 from __future__ import annotations
 
@@ -117,8 +118,8 @@ def _wide_attributes(old):
     cls = _wide_classes.get(base)
     if cls is None:
         class Wide(base):  # type: ignore[misc, valid-type]
-            def _to_list(self, ret_type):
-                return list(super()._to_list(ret_type)) + [_WIDTH_ATTR]
+            def _to_list(self, *args, **kwargs):  # whatever llvmlite's private signature: pass it through
+                return list(super()._to_list(*args, **kwargs)) + [_WIDTH_ATTR]
 
             def __bool__(self) -> bool:  # printed even when no standard attribute is set
                 return True
@@ -136,12 +137,16 @@ def wide_vectors(typingctx):
     """No-op at run time; at compile time marks the calling function for 512-bit vectors (if WIDE)."""
     def codegen(context, builder, sig, args):
         if WIDE:
+            fn = old = None
             try:
                 fn = builder.function
-                if not any(_WIDTH_ATTR == x for x in fn.attributes._to_list(fn.ftype.return_type)):
-                    fn.attributes = _wide_attributes(fn.attributes)
+                old = fn.attributes
+                if not any(_WIDTH_ATTR == x for x in old._to_list(fn.ftype.return_type)):
+                    fn.attributes = _wide_attributes(old)
+                    str(fn)  # the IR still prints (numba prints it next): else the hint is taken back below
             except Exception:  # pragma: no cover - another llvmlite: keep numba's defaults
-                pass
+                if fn is not None and old is not None:
+                    fn.attributes = old
         return context.get_dummy_value()
     return types.none(), codegen
 
