@@ -156,9 +156,12 @@ def _memo_step(members: list[tuple[Step, Node]], key_slots: tuple[int, ...], sym
     entry: list[Any] = [None]  # (key, values): replaced whole (one assignment), so threads see either
 
     def step(v: list, st: list) -> None:
-        key = tuple(np.shape(v[s]) for s in key_slots) + tuple(v[s] for s in sym_slots)
+        try:
+            key = tuple([v[s].shape for s in key_slots] + [v[s] for s in sym_slots])
+        except AttributeError:  # not an array (a list, or a value liveness dropped: never reused)
+            key = None
         e = entry[0]
-        if e is not None and e[0] == key and all(v[s] is not None for s in key_slots):
+        if key is not None and e is not None and e[0] == key:
             for s, val in zip(outs, e[1]):
                 v[s] = val
             return
@@ -173,7 +176,8 @@ def _memo_step(members: list[tuple[Step, Node]], key_slots: tuple[int, ...], sym
             if isinstance(val, np.ndarray):
                 val.flags.writeable = False  # a kept value: a reader writing into it would change later runs
             vals.append(val)
-        entry[0] = (key, vals)
+        if key is not None:
+            entry[0] = (key, vals)
     return step
 
 

@@ -81,7 +81,13 @@ def same_rank_broadcast(x: np.ndarray, w: Any) -> bool:
     """``w`` (f32, same rank) broadcasts into ``x``'s shape: NNEF's mul is then NumPy's on them."""
     if not is_f32(w) or w.ndim != x.ndim:
         return False
-    return all(a == b or a == 1 for a, b in zip(w.shape, x.shape))
+    ws, xs = w.shape, x.shape
+    if ws == xs:
+        return True
+    for a, b in zip(ws, xs):
+        if a != b and a != 1:
+            return False
+    return True
 
 
 def scalarish(c: Any, rank: int) -> bool:
