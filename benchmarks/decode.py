@@ -440,7 +440,9 @@ def rss(folder: Path, tract_folder: Path, prompt: np.ndarray, tract_sig: Any) ->
     import pickle
     import subprocess
 
-    root = str(Path(__file__).resolve().parents[1])
+    import nnef_kv
+
+    root = str(Path(nnef_kv.__file__).resolve().parents[1])  # the children run the nnef_kv this process runs
     env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
     out = {}
     sig_file = Path(tempfile.mkdtemp(prefix="nnef-kv-rss-")) / "sig.pickle"
