@@ -14,10 +14,11 @@ node still to run) in graph order:
   registered, that attribute work done once (:mod:`.specialize`);
 * :func:`steps` -- every item becomes one closure ``step(values, states)`` (:mod:`.steps`);
 * :func:`projections` -- products of one input by several constant weights become one product;
-* :func:`patterns` -- the chains exporters write for RMSNorm, rotate-half RoPE, the SiLU gate and attention
-  (grouped-query repeat included) become one step each (:mod:`.patterns`, ``Plan.elided`` again);
 * :func:`memo` -- steps computing only from tensor shapes, constants and symbols run once per tuple of
   those shapes (:mod:`.chains`);
+* :func:`patterns` -- the chains exporters write for RMSNorm, rotate-half RoPE, the SiLU gate and attention
+  (grouped-query repeat included) become one step each, as do casts to the dtype a value has
+  (:mod:`.patterns`, ``Plan.elided`` again);
 * :func:`cache_append` -- ``concat([in_cache, new])`` returned as a graph output grows a buffer in place
   when the input is the previous call's output (:mod:`.cache_append`);
 * :func:`liveness` -- the slots each step is the last to read are dropped after it (:mod:`.liveness`).
@@ -370,8 +371,8 @@ def liveness(d: Draft) -> None:
 #: the passes, in order; a flag of :func:`build_plan` turns the optional ones off
 PASSES: tuple[tuple[Callable[[Draft], None], str | None], ...] = (
     (nested, None), (fold, "fold_constants"), (fuse, "fuse_ops"), (weights, None),
-    (specialize, "specialize_kernels"), (steps, None), (projections, "fuse_projections"), (patterns, "fuse_ops"),
-    (memo, "specialize_kernels"), (cache_append, "specialize_kernels"), (liveness, None),
+    (specialize, "specialize_kernels"), (steps, None), (projections, "fuse_projections"), (memo, "specialize_kernels"),
+    (patterns, "fuse_ops"), (cache_append, "specialize_kernels"), (liveness, None),
 )
 
 

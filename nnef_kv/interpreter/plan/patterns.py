@@ -25,12 +25,14 @@ from typing import Any
 
 import numpy as np
 
-from ..graph import Graph, Node
+from ..graph import Graph, Node, slots_of
 from ..ops.nnef_std import _slice_bounds as _bounds
 from .attention import match_attention, match_views
 from .chains import Flow, chain_node, chain_step
 from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, same_rank_broadcast, scalarish
 from .steps import Step
+
+_F32 = np.dtype(np.float32)
 
 __all__ = ["fuse_patterns", "MATCHERS"]
 
@@ -264,7 +266,50 @@ def match_silu_gate(flow: Flow, k: int, taken: set[int]) -> Match | None:
     return Match("silu_gate", members, [g, u], fast, root.outputs[0])
 
 
-MATCHERS = (match_rms_norm, match_rope, match_silu_gate, match_attention, match_views)
+# ------------------------------------------------------------------------------------------------
+# casts to the dtype a value already has
+# ------------------------------------------------------------------------------------------------
+#: ops whose kernel returns a new array every time (no view of an operand): their value, read by nothing
+#: but a cast, may become the cast's value when no conversion is needed
+_FRESH = frozenset({"add", "sub", "mul", "div", "tract_core_gather", "gather", "cos", "sin", "exp"})
+
+
+def match_same_dtype_cast(flow: Flow, k: int, taken: set[int]) -> Match | None:
+    """``tract_core_cast(y, to = 'f32')`` of a fresh f32 value ``y`` read by the cast alone: the cast's value
+    is ``y`` itself (the copy the cast makes is the only difference, and nothing else holds ``y``)."""
+    root = flow.nodes[k]
+    if root.op != "tract_core_cast" or root.attrs.get("to") != "f32" or len(root.inputs) != 1:
+        return None
+    w_ = Walk(flow, taken)
+    got = w_.inner(root.inputs[0], k, *_FRESH)
+    if not got or root.outputs[0] in flow.pinned:
+        return None
+    prod_k, prod = got
+    y = prod.outputs[0]
+    return Match("cast", [prod_k, k], [s for spec in prod.inputs for s in slots_of(spec)], ("alias", prod_k, y),
+                 root.outputs[0])
+
+
+MATCHERS = (match_rms_norm, match_rope, match_silu_gate, match_attention, match_views, match_same_dtype_cast)
+
+
+def _aliasing(producer: Step, pnode: Node, cast: Step, y: int, out: int) -> Any:
+    """Fast form of a same-dtype cast chain: run the producer; its f32 array is the value, anything else
+    goes through the cast step as before."""
+    from .execute import node_error
+
+    def fast(v: list) -> Any:
+        try:
+            producer(v, [])
+        except Exception as exc:
+            raise node_error(pnode, exc) from exc
+        yv = v[y]
+        if type(yv) is np.ndarray and yv.dtype == _F32:
+            v[y] = None
+            return yv
+        cast(v, [])
+        return v[out]
+    return fast
 
 
 def fuse_patterns(graph: Graph, steps: list[Step], nodes: list[Node], base: list[Any]
@@ -293,6 +338,9 @@ def fuse_patterns(graph: Graph, steps: list[Step], nodes: list[Node], base: list
     new_nodes: list[Node] = []
     for k, (st, nd) in enumerate(zip(steps, nodes)):
         m = matches.get(k)
+        if m is not None and isinstance(m.fast, tuple):  # a same-dtype cast: the producer's value itself
+            _, pk, y = m.fast
+            m.fast = _aliasing(steps[pk], nodes[pk], steps[k], y, m.out)
         if m is not None:
             ms = [(steps[i], nodes[i]) for i in m.members]
             node = chain_node(m.op, [nodes[i] for i in m.members], m.inputs)
