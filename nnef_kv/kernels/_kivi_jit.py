@@ -616,7 +616,45 @@ def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_co
     sk, sv = _full(sink_k, (n, ns, d), "sink_k"), _full(sink_v, (n, ns, d), "sink_v")
     rk, rv = _full(res_k, (n, nr, d), "res_k"), _full(res_v, (n, nr, d), "res_v")
     kcodes, vcodes = _leading(kcodes), _leading(vcodes)
-    nth = max(1, min(int(threads), n))
+    return _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, scale, bits, kg, vg, sq,
+                   is_causal, max(1, min(int(threads), n)))
+
+
+def decode_attention_rows(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, ns: int, k_codes: np.ndarray,
+                          k_min: np.ndarray, k_step: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray,
+                          v_step: np.ndarray, tq: int, res_k: np.ndarray, res_v: np.ndarray, nr: int, *,
+                          scale: float, bits: int, key_group: int, value_group: int, sq: int = 1,
+                          is_causal: bool = True, threads: int = 1) -> np.ndarray:
+    """numba side of :func:`nnef_kv.kernels.kivi_attention.decode_attention_rows`: the arrays are
+    C-contiguous and their first ``ns`` / ``tq`` / ``nr`` rows are read (a KV cache's buffers as they are,
+    spare capacity after them), so no view needs resolving; the cores and the softmax are
+    :func:`decode_attention`'s."""
+    q = np.ascontiguousarray(q, dtype=np.float32)
+    n, m, d = q.shape
+    bits, kg = int(bits), int(key_group)
+    vg = min(int(value_group), d)
+    arrays = (sink_k, sink_v, k_codes, k_min, k_step, v_codes, v_min, v_step, res_k, res_v)
+    rows = (ns, ns, tq, tq // kg, tq // kg, tq, tq, tq, nr, nr)
+    for a, r in zip(arrays, rows):
+        if type(a) is not np.ndarray or not a.flags.c_contiguous or a.ndim != 3 or a.shape[0] != n or a.shape[1] < r:
+            raise ValueError(f"decode_attention_rows: an array of shape {np.shape(a)} does not hold {r} rows of "
+                             f"{n} heads as a C-contiguous [n, rows, width] array")
+    if tq % kg or d % vg or k_codes.dtype != np.uint8 or v_codes.dtype != np.uint8:
+        raise ValueError(f"decode_attention_rows: {tq} quantized tokens, key_group {kg}, head_dim {d}, "
+                         f"value_group {value_group}, codes {k_codes.dtype}/{v_codes.dtype}")
+    sk, sv, kmin, kstep, vmin, vstep, rk, rv = (
+        a if a.dtype in (np.float32, np.float16) else a.astype(np.float32)
+        for a in (sink_k, sink_v, k_min, k_step, v_min, v_step, res_k, res_v))
+    sk, sv, kmin, kstep, vmin, vstep, rk, rv = (as_f32_or_u16(a) for a in (sk, sv, kmin, kstep, vmin, vstep, rk, rv))
+    return _decode(q, sk, sv, int(ns), k_codes, kmin, kstep, v_codes, vmin, vstep, int(tq), rk, rv, int(nr), scale,
+                   bits, kg, vg, sq, is_causal, max(1, min(int(threads), n)))
+
+
+def _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, scale, bits, kg, vg, sq,
+            is_causal, nth) -> np.ndarray:
+    """The attention proper: scores of every position (numba), the reference's softmax (NumPy), then the
+    values and the division (numba); the arrays ready for the cores."""
+    n, m, d = q.shape
     total = ns + tq + nr
     qs = q * np.float32(scale)
     s = np.empty((n, m, total), np.float32)

@@ -5,12 +5,10 @@
 a torch ``Linear`` weight ``[out, in]``, which torch-to-nnef / tract use as ``linear(x, W, b)`` or
 ``matmul(x, W, transposeB = true)``: the product is **y = x @ W.T** (``x`` ``[..., K]`` -> ``y``
 ``[..., N]``), each output a dot product along the blocks (checked against tract's own output on the
-``tract-harness/q40_linear_followed_slice`` conformance case, legacy nibble order). Today the interpreter dequantizes such a
-variable when it is read (``nnef_kv/interpreter/graph.py``, ``_variable``: ``t.dequantize()``) and
-``linear`` / ``matmul`` (``nnef_kv/interpreter/ops/nnef_std.py``) multiply by the f32 copy; this kernel
-would plug in there: keep ``repack(t)`` instead of ``t.dequantize()`` for a variable whose only uses are
-the ``B`` operand of ``matmul(..., transposeB = true)`` or the filter of ``linear``, and call
-:func:`matmul` (4.5 bits a weight held instead of 32). (Nothing is wired in yet.)
+``tract-harness/q40_linear_followed_slice`` conformance case, legacy nibble order). The interpreter keeps
+such a variable as its blocks and runs ``linear`` / ``matmul(..., transposeB = true)`` by it on
+:func:`matmul` with the weight repacked once at plan time (``nnef_kv/interpreter/plan/blockweights.py``:
+4.5 bits a weight held instead of 32); any other use reads the dequantized values.
 
 **Repacked layout** (:func:`repack`, done once, exact: the same codes, the same f16 scales):
 

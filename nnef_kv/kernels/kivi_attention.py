@@ -41,9 +41,10 @@ residual window in full precision and, between them, ``Tq`` quantized tokens sto
 and values): :func:`attend` falls back to ``KiviSdpa``'s own NumPy path when there are outliers, for the
 ``"split"`` / ``"rows"`` codec layouts (3, 5, 6, 7 bits, or sizes that do not divide), and when the score
 matrix would exceed the cache's ``score_budget`` (long prefill chunks: the online-softmax path).
-Where it would plug in (not wired yet): ``KiviSdpa.__call__`` (``nnef_kv/kv/kivi.py``) calls
-``self._attend(qn, sq)``; :func:`attend` takes the same arguments (``attend(self, qn, sq)``) and gives the
-same result, choosing the kernels or that NumPy path itself. The key and value cores decode the codes
+Where it runs: ``KiviSdpa._attend`` (``nnef_kv/kv/kivi_attend.py``) calls :func:`decode_attention_rows` on
+the cache's buffers when the kernels apply and pay (``KiviSdpa._on_kernels``: some tokens quantized, a
+wide enough cache, no outliers, no softcap, a two-pass-sized score matrix), else its NumPy path;
+:func:`attend` (``attend(sdpa, qn, sq)``) chooses the same way. The key and value cores decode the codes
 once per query row: the cost grows with ``M`` (GQA rows), where BLAS reuses its f32 block.
 """
 from __future__ import annotations
@@ -55,7 +56,8 @@ import numpy as np
 from ..kv.packing import GroupCodec
 from . import kernel
 
-__all__ = ["key_scores", "value_sum", "decode_attention", "attend", "unsupported_reason", "two_pass"]
+__all__ = ["key_scores", "value_sum", "decode_attention", "decode_attention_rows", "attend", "unsupported_reason",
+           "two_pass"]
 
 
 def _f32(a: np.ndarray) -> np.ndarray:
@@ -177,6 +179,22 @@ def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_co
     return two_pass(key_scores.reference, value_sum.reference, q, sink_k, sink_v, k_codes, k_min, k_step,
                     v_codes, v_min, v_step, res_k, res_v, scale=scale, bits=bits, key_group=key_group,
                     value_group=value_group, sq=sq, is_causal=is_causal, threads=threads)
+
+
+@kernel("nnef_kv.kernels._kivi_jit:decode_attention_rows")
+def decode_attention_rows(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, ns: int, k_codes: np.ndarray,
+                          k_min: np.ndarray, k_step: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray,
+                          v_step: np.ndarray, tq: int, res_k: np.ndarray, res_v: np.ndarray, nr: int, *,
+                          scale: float, bits: int, key_group: int, value_group: int, sq: int = 1,
+                          is_causal: bool = True, threads: int = 1) -> np.ndarray:
+    """:func:`decode_attention` on a cache's buffers as they are: C-contiguous ``[n, rows, width]`` arrays of
+    which the first ``ns`` (sinks), ``tq`` (codes, value params; ``tq / key_group`` key params) and ``nr``
+    (window) rows are read."""
+    ng = tq // key_group
+    return decode_attention.reference(
+        q, sink_k[:, :ns], sink_v[:, :ns], k_codes[:, :tq], k_min[:, :ng], k_step[:, :ng], v_codes[:, :tq],
+        v_min[:, :tq], v_step[:, :tq], res_k[:, :nr], res_v[:, :nr], scale=scale, bits=bits, key_group=key_group,
+        value_group=value_group, sq=sq, is_causal=is_causal, threads=threads)
 
 
 # ================================================================================ KiviSdpa glue

@@ -355,23 +355,25 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
             raise InputError(f"{self.WHO}: k {k.shape} does not match the cache built for "
                              f"B={self.b}, Hkv={self.hkv}, D={self.d}")
         n = b * hkv
-        k32 = k.astype(np.float32).reshape(n, snew, d)
-        v32 = v.astype(np.float32).reshape(n, snew, d)
+        # no copies where the dtype is already right: ks, vs are only ever copied into the cache, qn only read
+        k32 = k.astype(np.float32, copy=False).reshape(n, snew, d)
+        v32 = v.astype(np.float32, copy=False).reshape(n, snew, d)
         rk = self.rot is not None and self.cfg.rotate in ("k", "kv")
         rv = self.rot is not None and self.cfg.rotate in ("v", "kv")
         if rk:
             k32 = rotate(k32, self.rot)
         if rv:
             v32 = rotate(v32, self.rot)
-        qn = q.astype(np.float32).reshape(n, (hq // hkv) * sq, d)
+        qn = q.astype(np.float32, copy=False).reshape(n, (hq // hkv) * sq, d)
         if rk:
             qn = rotate(qn, self.rot)
-        return qn, k32.astype(self.fp_dtype), v32.astype(self.fp_dtype), q.shape, out_dtype, rv
+        return (qn, k32.astype(self.fp_dtype, copy=False), v32.astype(self.fp_dtype, copy=False), q.shape, out_dtype,
+                rv)
 
     def _finish(self, out: np.ndarray, shape: tuple[int, ...], out_dtype: np.dtype, rv: bool) -> np.ndarray:
         if rv:
             out = rotate(out, self.rot.T)
-        return out.reshape(shape).astype(out_dtype)
+        return out.reshape(shape).astype(out_dtype, copy=False)
 
     def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """One call: attention of ``q`` over the cache *with this call's tokens in full precision*

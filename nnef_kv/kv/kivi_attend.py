@@ -15,12 +15,16 @@ import numpy as np
 from .common import GrowBuffer, f16_to_f32
 from .kivi_parts import View, as32, finite_part
 
-__all__ = ["KiviAttention", "KERNEL_WORK"]
+__all__ = ["KiviAttention", "KERNEL_WORK", "KERNEL_WIDTH"]
 
-#: quantized values read (tokens x kv heads x head_dim) from which a call's attention runs on the numba
-#: kernels (when they apply, see ``KiviAttention._kernel_ok``): below, the NumPy path is as fast and a
-#: short context never pays the kernels' first-call compilation (measured: benchmarks/kv_speed.py)
+#: when a call's attention runs on the numba kernels (if they apply, see ``KiviAttention._kernel_ok``):
+#: some tokens are quantized and either this many quantized values are read (tokens x kv heads x
+#: head_dim) or a token's keys are at least ``KERNEL_WIDTH`` wide (kv heads x head_dim, a real model's:
+#: measured with 8 kv heads x 64, one group quantized, the kernels take 0.6x the NumPy path's time, from
+#: 32 tokens on). Below both, the NumPy path is as fast and a small model's short contexts never pay the
+#: kernels' first-call compilation.
 KERNEL_WORK = 1 << 17
+KERNEL_WIDTH = 256
 
 
 class KiviAttention:
@@ -35,19 +39,18 @@ class KiviAttention:
         if view is None:
             view = self._current_view()
         n = q.shape[0]
-        work = view.tq * n * self.d
-        if work >= KERNEL_WORK and self._kernel_ok(q.shape[1], view):
-            from ..kernels.kivi_attention import decode_attention
+        if self._on_kernels(q.shape[1], view):
+            from ..kernels.kivi_attention import decode_attention_rows
 
             c = self.cfg
-            ng = view.tq // c.key_group
-            return decode_attention(q, view.sink_k, view.sink_v, self.k_codes.view(0, view.tq),
-                                    self.k_min.view(0, ng), self.k_step.view(0, ng), self.v_codes.view(0, view.tq),
-                                    self.v_min.view(0, view.tq), self.v_step.view(0, view.tq), view.res_k,
-                                    view.res_v, scale=c.scale, bits=c.bits, key_group=c.key_group,
-                                    value_group=c.value_group, sq=sq, is_causal=c.is_causal,
-                                    threads=min(self.threads, n))
-        nth = min(self.threads, n) if work >= (1 << 20) else 1
+            sk, sv = self._rows(view.sink_k, self.sink_k), self._rows(view.sink_v, self.sink_v)
+            rk, rv = self._rows(view.res_k, self.res_k), self._rows(view.res_v, self.res_v)
+            return decode_attention_rows(q, sk, sv, view.ns, self.k_codes.data, self.k_min.data, self.k_step.data,
+                                         self.v_codes.data, self.v_min.data, self.v_step.data, view.tq, rk, rv,
+                                         view.nr, scale=c.scale, bits=c.bits, key_group=c.key_group,
+                                         value_group=c.value_group, sq=sq, is_causal=c.is_causal,
+                                         threads=min(self.threads, n))
+        nth = min(self.threads, n) if view.tq * n * self.d >= (1 << 20) else 1
         if nth <= 1:
             return self._attend_heads(q, sq, 0, n, 0, view)
         from concurrent.futures import ThreadPoolExecutor
@@ -58,6 +61,22 @@ class KiviAttention:
         futs = [self._pool.submit(self._attend_heads, q[bounds[i]:bounds[i + 1]], sq, int(bounds[i]),
                                   int(bounds[i + 1]), i, view) for i in range(nth)]
         return np.concatenate([f.result() for f in futs], axis=0)
+
+    @staticmethod
+    def _rows(a: np.ndarray, buf: GrowBuffer) -> np.ndarray:
+        """``a`` (a part of the call's view) as a C-contiguous array whose first rows are ``a``: itself, or the
+        buffer it is the whole written part of (``buf.view()``: our views start at row 0), else a copy."""
+        if a.flags.c_contiguous:
+            return a
+        if a.base is buf.data and a.shape[1] == buf.len:
+            return buf.data
+        return np.ascontiguousarray(a)
+
+    def _on_kernels(self, m: int, view: View) -> bool:
+        """This call's attention (``m`` query rows a kv head, over ``view``) runs on the numba kernels."""
+        n = self.b * self.hkv
+        return bool(view.tq and (view.tq * n * self.d >= KERNEL_WORK or n * self.d >= KERNEL_WIDTH)
+                    and self._kernel_ok(m, view))
 
     def _kernel_ok(self, m: int, view: View) -> bool:
         """The numba decode kernels (:mod:`nnef_kv.kernels.kivi_attention`) compute this call's attention:
