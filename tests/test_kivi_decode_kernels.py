@@ -9,7 +9,6 @@ import pytest
 
 from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
 from nnef_kv.kv import KiviSdpa
-from nnef_kv.kv.kivi_attend import KERNEL_WORK
 from test_kernels import _attention_bound
 
 pytestmark = pytest.mark.skipif(not numba_available(), reason="numba is not installed")
@@ -41,7 +40,7 @@ def test_decode_calls_on_the_kernels_match_the_numpy_path(monkeypatch, bits: int
     x = _qkv(rng, 400, HKV * group)
     for op in (a, b):
         op(*x)
-    assert a.n_quant * a.b * a.hkv * a.d >= KERNEL_WORK and a._kernel_ok(group, a._current_view())
+    assert a._on_kernels(group, a._current_view())
     for _ in range(40):
         x = _qkv(rng, 1, HKV * group)
         got = _call(a, monkeypatch, True, *x)
@@ -92,7 +91,7 @@ def test_numpy_path_where_the_kernels_do_not_apply(monkeypatch, why: str) -> Non
         x[2][0, 1, 9, 0] = np.inf
     for op in (a, b):
         op(*x)
-    assert not a._kernel_ok(1, a._current_view()) or a.n_quant * a.hkv * a.d < KERNEL_WORK
+    assert not a._on_kernels(1, a._current_view())
     for _ in range(3):
         x = _qkv(rng, 1)
         with np.errstate(invalid="ignore"):
