@@ -266,6 +266,7 @@ class Scheme:
     fixed_bits: int | None = None  # the op stores this many bits whatever the bits option
     notes: Callable[[Any], list[str]] = lambda options: []  # notes for the conversion report
     reported: tuple[str, ...] = ()  # attributes of the op a validation report shows
+    reported_unless: Mapping[str, Any] = field(default_factory=dict)  # ... unless they hold these (defaults)
     demo: str | None = None  # "bits": demo rows at each --bits width; "tract": one row, dropped by --no-tract
     doc: str = ""
 
@@ -379,6 +380,7 @@ SCHEMES: dict[str, Scheme] = {
         softcap=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("bits", "value_bits", "key_group", "value_group", "residual", "sinks", "key_axis"), demo="bits",
+        reported_unless={"value_bits": 0, "key_axis": "channel"},
         doc="nnef-kv's accurate op: KIVI codes (keys per channel, values per token), a full-precision window "
             "and sinks, causal mask built in"),
     "tract": Scheme(
@@ -450,7 +452,9 @@ def report_settings(op: str, attrs: Mapping[str, Any]) -> str:
     """``bits 4, key_group 32, ...``: the attributes of a KV op node a validation report shows."""
     writers = schemes_writing(op)
     keys = {k for s in writers for k in s.reported} if writers else set(REPORTED_BY_DEFAULT)
-    shown = {k: v for k, v in attrs.items() if k in keys and isinstance(v, (int, float, bool, str))}
+    unless = {k: v for s in writers for k, v in s.reported_unless.items()}
+    shown = {k: v for k, v in attrs.items() if k in keys and isinstance(v, (int, float, bool, str))
+             and not (k in unless and v == unless[k])}
     bits = fixed_bits(op)
     if bits is not None:
         shown["bits"] = bits
