@@ -61,7 +61,8 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
     cache type (``q8_0``: scheme ``ggml`` with that type for keys and values). ``SETTING`` is the bits
     (``kivi:4``, ``hf:2``, ``tract-cache:8``), ``KEY/VALUE`` bits for kivi (``kivi:4/2``), or the cache
     types for ggml (``ggml:q4_0/q8_0``, also written ``q4_0/q8_0``). ``+option=value`` sets any option of
-    the scheme by its ``convert`` name (``kivi:4+residual=64+key_axis=token``, ``hf:4+backend=hqq``).
+    the scheme by its ``convert`` name (``kivi:4+residual=64+key_axis=token``, ``hf:4+backend=hqq``; a
+    ``;`` in a value is a comma: ``kivi+layer_bits=8;4/2;4``).
     Checked against the scheme's own rules (one line naming the entry)."""
     from ..kv import schemes as S
     from ..kv.ggml_sdpa import CACHE_TYPES
@@ -98,7 +99,7 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
         k, eq, v = ex.partition("=")
         if not eq or not k.strip():
             raise InputError(f"{flag} {raw!r}: {ex!r} is not option=value")
-        opts[k.strip().replace("-", "_")] = _value(v.strip())
+        opts[k.strip().replace("-", "_")] = _value(v.strip().replace(";", ","))  # layer_bits=8;4;4 (commas split)
     scheme = S.scheme(name)
     unknown = [k for k in opts if k not in scheme.option_names]
     if unknown:
