@@ -109,13 +109,9 @@ def render_plot(rep: CompareReport) -> bytes:
         fr = sorted(p for p, on in zip(pts, front) if on)
         if fr:
             ax.plot([p[0] for p in fr], [p[1] for p in fr], "k--", lw=1, zorder=2, label="Pareto front")
-        order = sorted(range(len(pts)), key=lambda i: pts[i])
-        for j, i in enumerate(order):  # alternate the label side so neighbours do not overlap
-            dy = 9 if j % 2 == 0 else -13
-            ax.annotate(names[i], pts[i], textcoords="offset points", xytext=(5, dy), fontsize=7,
-                        fontweight="bold" if front[i] else "normal")
         ax.set_xscale("log")
         ax.set_yscale("log")
+        _label(fig, ax, pts, names, front)
         ax.set_xlabel(f"KV bytes held at context {ctx} (log)")
         ax.set_ylabel("mean KL(p_ref || p), nats (log)")
         left = [r.scheme for r in rep.rows if r.status != "measured"]
@@ -134,6 +130,36 @@ def render_plot(rep: CompareReport) -> bytes:
     fig.savefig(buf, format="png", dpi=100)
     plt.close(fig)
     return buf.getvalue()
+
+
+def _label(fig: Any, ax: Any, pts: list[tuple[float, float]], names: list[str], front: list[bool]) -> None:
+    """One label per point, each placed at the first of a few offsets where it overlaps no label or point
+    placed before it (in screen space; widths estimated from the text length)."""
+    if not pts:
+        return
+    ax.margins(0.12)
+    ax.autoscale_view()
+    xy = ax.transData.transform(pts)  # pixels
+    px = fig.dpi / 72.0
+    boxes = [(x - 4, y - 4, x + 4, y + 4) for x, y in xy]  # the points themselves
+    order = sorted(range(len(pts)), key=lambda i: (not front[i], pts[i]))  # the front first
+    for i in order:
+        w, h = 7 * 0.62 * len(names[i]) * px, 9 * px
+        x, y = xy[i]
+        cands = [(6, 4), (6, -4 - h), (-6 - w, 4), (-6 - w, -4 - h), (6, 14), (6, -14 - h), (-6 - w, 14),
+                 (-6 - w, -14 - h), (-w / 2, 10), (-w / 2, -10 - h), (6, 26), (6, -26 - h)]
+        best = None
+        for dx, dy in cands:
+            b = (x + dx, y + dy, x + dx + w, y + dy + h)
+            hits = sum(not (b[2] < o[0] or b[0] > o[2] or b[3] < o[1] or b[1] > o[3]) for o in boxes)
+            if best is None or hits < best[0]:
+                best = (hits, dx, dy, b)
+            if hits == 0:
+                break
+        _, dx, dy, b = best
+        boxes.append(b)
+        ax.annotate(names[i], pts[i], textcoords="offset pixels", xytext=(dx, dy), fontsize=7,
+                    fontweight="bold" if front[i] else "normal")
 
 
 def write_compare_report(rep: CompareReport, out_dir: str | Path) -> list[Path]:
