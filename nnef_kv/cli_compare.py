@@ -13,7 +13,7 @@ from typing import Any, Callable
 
 from .errors import InputError
 
-__all__ = ["add_commands", "cmd_compare"]
+__all__ = ["add_commands", "cmd_compare", "cmd_auto_bits"]
 
 _NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "chunk": "--chunk"}
 
@@ -143,3 +143,93 @@ def add_commands(sub: Any, commands: dict[str, Callable[[argparse.Namespace], in
     """Add ``compare`` (parser and handler) and ``convert``'s ``--auto-bits`` flags to the CLI."""
     _add_compare(sub)
     commands["compare"] = cmd_compare
+    _add_auto_bits(sub.choices["convert"])
+    commands["convert"] = _wrap_convert(commands["convert"])
+
+
+# ---------------------------------------------------------------------------------------------- auto-bits
+_AUTO_ONLY = ("max_kl", "text", "ids", "tokenizer", "context", "eval_tokens", "jobs", "ray", "report_dir")
+
+
+def _add_auto_bits(sp: argparse.ArgumentParser) -> None:
+    g = sp.add_argument_group("--auto-bits: bits per layer (and per K and V) meeting a KL budget with the fewest KV "
+                              "bytes, measured on a text (see nnef_kv/validate/autobits.py)")
+    g.add_argument("--auto-bits", action="store_true", help="choose --layer-bits for --scheme (kivi, ggml, hf, "
+                                                            "tract-cache) by measuring")
+    g.add_argument("--max-kl", type=float, help="the budget: mean KL(p_ref || p) in nats at the context")
+    g.add_argument("--text", help="UTF-8 text file (default: the sample text shipped with nnef-kv)")
+    g.add_argument("--ids", help=".npy or text file of token ids")
+    g.add_argument("--tokenizer", help="tokenizer.json (or a folder holding one); default: found next to the input")
+    g.add_argument("--context", help="the context length measured (default: at least 256, capped by model and text)")
+    g.add_argument("--eval-tokens", type=int, help="predictions measured (default 64)")
+    g.add_argument("--report-dir", help="write report.md and report.json of the choice here (default: beside the "
+                                        "output, OUTPUT.auto-bits.md / .json)")
+    _add_runner(g)
+
+
+def cmd_auto_bits(args: argparse.Namespace) -> int:
+    from .atomic import atomic_write
+    from .converters import convert, frontends
+    from .converters.options import from_arguments
+    from .io.archive import save
+    from .progress import progress_enabled
+    from .validate.autobits import auto_bits
+    from .validate.autobits_report import render_json, render_markdown, render_text
+    from .validate.compare import CompareOptions
+
+    if args.max_kl is None:
+        raise InputError("--auto-bits: give the budget, --max-kl X (mean KL in nats)")
+    if args.layer_bits:
+        raise InputError("--layer-bits and --auto-bits: give one (--auto-bits chooses the layer bits)")
+    opts = from_arguments(args)
+    src = _path(args.input, "input")
+    out = Path(args.output)
+    if out.exists() and out.resolve() == src.resolve():
+        raise InputError(f"{args.output}: the output would overwrite the input")
+    if out.is_dir() and not (out / "graph.nnef").exists() and any(out.iterdir()):
+        raise InputError(f"{args.output}: a non-empty folder that is not a model archive; refusing to replace it")
+    rd = _report_dir(args.report_dir)
+    contexts = _ints(args.context, "--context")
+    copts = CompareOptions(contexts=contexts, eval_tokens=_positive(args.eval_tokens, "--eval-tokens") or 64,
+                           tract=False)
+    jobs = _positive(args.jobs, "--jobs")
+    if args.ray is not None and jobs is not None:
+        raise InputError("--jobs and --ray: give one")
+    source = _source(args, src)
+    model = frontends.load(src)
+    scheme = opts.scheme
+    values = {k: v for k, v in opts.values().items() if k in opts.scheme_object.option_names}
+    res = auto_bits(model, source, scheme, values, float(args.max_kl), copts, str(src), jobs=jobs, ray=args.ray,
+                    names=_NAMES, show_progress=progress_enabled())
+    print(render_text(res))
+    md, js = render_markdown(res).encode(), render_json(res).encode()
+    if res.chosen is None:
+        print(f"no setting of scheme {scheme} meets --max-kl {args.max_kl:g} at context {res.context}: nothing written")
+        return 1
+    converted, _ = convert(model, **{**opts.as_dict(), "layer_bits": res.layer_bits})
+    save(converted, out)
+    base = rd if rd is not None else out.parent
+    names = ("report.md", "report.json") if rd is not None else (f"{out.name}.auto-bits.md",
+                                                                 f"{out.name}.auto-bits.json")
+    base.mkdir(parents=True, exist_ok=True)
+    for name, data in zip(names, (md, js)):
+        with atomic_write(base / name) as f:
+            f.write(data)
+    print(f"wrote {out} (--layer-bits {res.layer_bits}) and {', '.join(str(base / n) for n in names)}")
+    return 0
+
+
+def _wrap_convert(plain: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    if getattr(plain, "_auto_bits", False):
+        return plain
+
+    def convert_cmd(args: argparse.Namespace) -> int:
+        if getattr(args, "auto_bits", False):
+            return cmd_auto_bits(args)
+        given = [k for k in _AUTO_ONLY if getattr(args, k, None) is not None]
+        if given:
+            raise InputError(f"--{given[0].replace('_', '-')}: only with --auto-bits")
+        return plain(args)
+
+    convert_cmd._auto_bits = True  # type: ignore[attr-defined]
+    return convert_cmd

@@ -212,6 +212,8 @@ def _context_figures(res: Any) -> dict[str, Any]:
     f32 = s.get("kv_bytes_f32") or 0
     out["bits_per_value"] = 32.0 * s["kv_bytes"] / f32 if f32 else None
     out["tokens_reading_quantized"] = res.reads_quantized
+    out["kv_ops"] = [{"node": c["node"], "op": c["op"], "bytes": c["bytes"], "bytes_f32": c["bytes_f32"]}
+                     for c in res.archive.census]
     return out
 
 
