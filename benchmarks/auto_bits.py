@@ -32,25 +32,31 @@ def main() -> None:
     ap.add_argument("--eval-tokens", type=int, default=64)
     ap.add_argument("--budgets", default="0.02,0.01,0.005,0.002,0.001,0.0005,0.0002,0.0001,0.00005")
     ap.add_argument("--jobs", type=int)
+    ap.add_argument("--match-uniform-kl", action="store_true", help="as convert --auto-bits --match-uniform-kl")
     a = ap.parse_args()
     model = nnef_kv.load(a.archive)
     src = token_source(text=SAMPLE_TEXT, archive=a.archive)
     copts = CompareOptions(contexts=[a.context], eval_tokens=a.eval_tokens, tract=False)
     print(f"{a.archive}, context {a.context}, {a.eval_tokens} predictions of {SAMPLE_TEXT.name}")
     print("| scheme | --max-kl | best uniform | its KV bytes | its KL | --auto-bits --layer-bits | KV bytes | KL | "
-          "fewer bytes |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "fewer bytes | best uniform K/V pair (bytes, KL) | fewer bytes than it |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for scheme in a.schemes.split(","):
         cache: dict = {}
         t0 = time.perf_counter()
         for b in [float(x) for x in a.budgets.split(",")]:
-            r = auto_bits(model, src, scheme, {}, b, copts, a.archive, jobs=a.jobs, cache=cache, show_progress=False)
+            r = auto_bits(model, src, scheme, {}, b, copts, a.archive, jobs=a.jobs, cache=cache, show_progress=False,
+                          match_uniform=a.match_uniform_kl)
             bu, ch = r.best_uniform, r.chosen
             if bu is None:
                 print(f"| {scheme} | {b:g} | none within the budget | | | | | | |", flush=True)
                 continue
+            bp = r.best_pair
+            pair = f"{bp.label.removeprefix('uniform ')} ({int(bp.kv_bytes):,}, {bp.kl:.3g})" if bp else "-"
+            vs = f"{100 * r.saving(bp):.1f}%" if bp else "-"
             print(f"| {scheme} | {b:g} | {bu.label.removeprefix('uniform ')} | {int(bu.kv_bytes):,} | {bu.kl:.3g} | "
-                  f"{r.layer_bits} | {int(ch.kv_bytes):,} | {ch.kl:.3g} | {100 * r.saving():.1f}% |", flush=True)
+                  f"{r.layer_bits} | {int(ch.kv_bytes):,} | {ch.kl:.3g} | {100 * r.saving():.1f}% | {pair} | {vs} |",
+                  flush=True)
         print(f"({scheme}: {len(cache)} settings measured, {time.perf_counter() - t0:.0f} s)", flush=True)
 
 

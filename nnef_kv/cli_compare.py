@@ -148,7 +148,8 @@ def add_commands(sub: Any, commands: dict[str, Callable[[argparse.Namespace], in
 
 
 # ---------------------------------------------------------------------------------------------- auto-bits
-_AUTO_ONLY = ("max_kl", "text", "ids", "tokenizer", "context", "eval_tokens", "jobs", "ray", "report_dir")
+_AUTO_ONLY = ("max_kl", "match_uniform_kl", "text", "ids", "tokenizer", "context", "eval_tokens", "jobs", "ray",
+              "report_dir")
 
 
 def _add_auto_bits(sp: argparse.ArgumentParser) -> None:
@@ -157,6 +158,8 @@ def _add_auto_bits(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--auto-bits", action="store_true", help="choose --layer-bits for --scheme (kivi, ggml, hf, "
                                                             "tract-cache) by measuring")
     g.add_argument("--max-kl", type=float, help="the budget: mean KL(p_ref || p) in nats at the context")
+    g.add_argument("--match-uniform-kl", action="store_true", default=None,
+                   help="also never above the KL of the best uniform setting within the budget")
     g.add_argument("--text", help="UTF-8 text file (default: the sample text shipped with nnef-kv)")
     g.add_argument("--ids", help=".npy or text file of token ids")
     g.add_argument("--tokenizer", help="tokenizer.json (or a folder holding one); default: found next to the input")
@@ -200,7 +203,8 @@ def cmd_auto_bits(args: argparse.Namespace) -> int:
     scheme = opts.scheme
     values = {k: v for k, v in opts.values().items() if k in opts.scheme_object.option_names}
     res = auto_bits(model, source, scheme, values, float(args.max_kl), copts, str(src), jobs=jobs, ray=args.ray,
-                    names=_NAMES, show_progress=progress_enabled())
+                    names=_NAMES, show_progress=progress_enabled(),
+                    match_uniform=bool(args.match_uniform_kl))
     print(render_text(res))
     md, js = render_markdown(res).encode(), render_json(res).encode()
     if res.chosen is None:

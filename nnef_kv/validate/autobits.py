@@ -6,10 +6,12 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
    8 bits; ggml q4_0, q4_1, q5_0, q5_1, q8_0; hf 2, 4 (quanto) or 1, 2, 3, 4, 8 (HQQ); tract-cache 4, 8).
    A *unit* is one layer's keys or one layer's values (one layer when the scheme has one width for both:
    hf).
-2. **Uniform baselines.** Every uniform setting (every KEY/VALUE pair of the ladder where keys and values
-   may differ) is measured; the *best uniform* setting is the one with the fewest KV bytes whose mean KL
-   is within the budget. The target is ``min(budget, KL of the best uniform)``: the choice is never worse
-   in KL than the uniform setting it replaces.
+2. **Uniform baselines.** Every uniform setting is measured: each level for every layer's keys and values
+   (``--bits N``, what ``convert`` does without ``--layer-bits``), and where keys and values may differ
+   every KEY/VALUE pair of the ladder for all layers. The *best uniform* setting is the one-width setting
+   with the fewest KV bytes whose mean KL is within the budget; the best uniform KEY/VALUE pair likewise.
+   The target is the budget; with ``--match-uniform-kl`` it is ``min(budget, KL of the best uniform)``:
+   the choice is then never worse in KL than the uniform setting it replaces.
 3. **Sensitivity.** From the most precise setting everywhere, each unit alone is lowered to each cheaper
    level and measured: ``dKL(unit, level)`` (negative values count as 0). Bytes per unit and level come
    from the KV ops' own byte counts in the uniform runs (a fused op holds a layer's keys and values: half
@@ -21,8 +23,8 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
    rounds: the predicted-KL limit is first the target's (x 1 and x 0.7); while every candidate measures
    within the target the limit grows (x 1.6, x 2.5: the first-order model is often pessimistic), while
    every one is above it shrinks, and once both kinds are seen it is searched between the largest good
-   and the smallest bad factor. The cheapest *measured* candidate within the target wins; when none beats
-   the best uniform setting, the best uniform setting is chosen (and the report says so).
+   and the smallest bad factor. The cheapest setting *measured* within the target wins, per-layer
+   candidates and uniform settings alike (the report says when a uniform one wins).
 
 The jobs of steps 2, 3 and 5 run on the process pool or Ray (:mod:`.jobs`)."""
 from __future__ import annotations
@@ -80,6 +82,7 @@ class AutoBitsResult:
     rounds: list[Candidate]
     best_uniform: Candidate | None
     chosen: Candidate | None
+    best_pair: Candidate | None = None  # the best uniform KEY/VALUE pair within the budget (split schemes)
     notes: list[str] = field(default_factory=list)
     runner: str = ""
 
@@ -89,10 +92,11 @@ class AutoBitsResult:
 
         return format_spec(self.chosen.setting) if self.chosen is not None else ""
 
-    def saving(self) -> float | None:
-        if self.chosen is None or self.best_uniform is None:
+    def saving(self, against: "Candidate | None" = None) -> float | None:
+        base = self.best_uniform if against is None else against
+        if self.chosen is None or base is None:
             return None
-        return 1.0 - self.chosen.kv_bytes / self.best_uniform.kv_bytes
+        return 1.0 - self.chosen.kv_bytes / base.kv_bytes
 
 
 def _ladder(scheme: str, options: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
@@ -190,9 +194,11 @@ def _unit_bytes(uniform: dict[tuple[Any, Any], Candidate], ladder: Sequence[Any]
 def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max_kl: float,
               copts: CompareOptions, label: str, jobs: int | None = None, ray: str | None = None,
               names: dict[str, str] | None = None, show_progress: bool | None = None,
-              cache: dict[str, SchemeRow] | None = None) -> AutoBitsResult:
+              cache: dict[str, SchemeRow] | None = None, match_uniform: bool = False) -> AutoBitsResult:
     """Choose ``--layer-bits`` for ``scheme`` (see the module docstring). ``cache``: rows measured by an
-    earlier call on the same model, text, context and options (a sweep over budgets measures each once)."""
+    earlier call on the same model, text, context and options (a sweep over budgets measures each once).
+    ``match_uniform``: the target is also the best uniform setting's KL (never worse than it), not only
+    the budget."""
     from .jobs import run_tasks
     from .compare import run_job
 
@@ -234,14 +240,16 @@ def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max
             what = ("keys" if side == 0 else "values") if split else "keys+values"
             sens[(layer, side, lv)] = Candidate(f"layer {layer} {what} at {lv}", _setting(lv_map, layers, split))
     runner = run(list(uniform.values()) + list(sens.values()))
-    ok = [c for c in uniform.values() if c.kl <= max_kl]
+    ok = [c for (k, v), c in uniform.items() if c.kl <= max_kl and k == v]
     best_u = min(ok, key=lambda c: (c.kv_bytes, c.kl)) if ok else None
-    target = min(max_kl, best_u.kl) if best_u is not None else max_kl
+    pairs_ok = [c for c in uniform.values() if c.kl <= max_kl]
+    best_pair = min(pairs_ok, key=lambda c: (c.kv_bytes, c.kl)) if pairs_ok and split else None
+    target = min(max_kl, best_u.kl) if best_u is not None and match_uniform else max_kl
     base = uniform[(top, top)].kl
     dkl = {k: max(0.0, c.kl - base) for k, c in sens.items()}
     ubytes = _unit_bytes(uniform, ladder, layers, split)
     res = AutoBitsResult(scheme, options, max_kl, target, ctx, copts.eval_tokens, layers, split, ladder,
-                         list(uniform.values()), dkl, [], best_u, None, notes, runner)
+                         list(uniform.values()), dkl, [], best_u, None, best_pair, notes, runner)
     if not math.isfinite(base) or base > target:
         res.notes.append(f"the most precise uniform setting ({top}) has KL {base:.4g}, above the target "
                          f"{target:.4g}: no setting meets the budget")
@@ -280,12 +288,10 @@ def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max
             factors = [bad_f * 0.6, bad_f * 0.35]
         else:  # between the two
             factors = [good_f + (bad_f - good_f) / 3, good_f + 2 * (bad_f - good_f) / 3]
-    within = [c for c in res.rounds if c.kl <= target]
-    best = min(within, key=lambda c: (c.kv_bytes, c.kl)) if within else None
-    if best is None or (best_u is not None and best.kv_bytes >= best_u.kv_bytes):
-        res.chosen = best_u
-        res.notes.append("no per-layer setting measured within the target beat the best uniform setting: "
-                         "the best uniform setting is chosen")
-    else:
-        res.chosen = best
+    # the cheapest setting measured within the target: a per-layer candidate, or a uniform one
+    within = [c for c in res.rounds + res.uniform + list(sens.values()) if c.kl <= target]
+    res.chosen = min(within, key=lambda c: (c.kv_bytes, c.kl, c not in res.rounds)) if within else None
+    if res.chosen is not None and res.chosen not in res.rounds:
+        res.notes.append(f"no per-layer candidate measured within the target held fewer bytes than the "
+                         f"measured setting '{res.chosen.label}', which is chosen")
     return res

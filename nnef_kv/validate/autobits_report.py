@@ -37,15 +37,21 @@ def _table(rows: list[list[str]]) -> str:
 def _summary(res: AutoBitsResult) -> list[str]:
     out = [f"scheme {res.scheme}, {res.layers} layers, ladder {', '.join(map(str, res.ladder))}"
            f"{' (keys and values apart)' if res.split else ''}; context {res.context}, {res.eval_tokens} predictions",
-           f"budget --max-kl {res.budget:g}; target {res.target:.4g} (the budget, or the best uniform setting's KL "
-           f"when lower)"]
+           f"budget --max-kl {res.budget:g}; target {res.target:.4g}"
+           + (" (the best uniform setting's KL: --match-uniform-kl)" if res.target < res.budget else " (the budget)")]
     bu, ch = res.best_uniform, res.chosen
     out.append(f"best uniform setting within the budget: {bu.label}, {int(bu.kv_bytes):,} bytes, KL {bu.kl:.4g}"
                if bu is not None else "no uniform setting is within the budget")
+    bp = res.best_pair
+    if bp is not None:
+        out.append(f"best uniform KEY/VALUE pair within the budget: {bp.label}, {int(bp.kv_bytes):,} bytes, "
+                   f"KL {bp.kl:.4g}")
     if ch is not None:
         out.append(f"chosen: --layer-bits {res.layer_bits}: {int(ch.kv_bytes):,} bytes, KL {ch.kl:.4g}"
-                   + (f" ({100 * res.saving():.1f}% fewer KV bytes than the best uniform setting)"
-                      if res.saving() is not None else ""))
+                   + (f" ({100 * res.saving():.1f}% fewer KV bytes than the best uniform setting" if res.saving()
+                      is not None else "")
+                   + (f", {100 * res.saving(bp):.1f}% than the best uniform pair)" if bp is not None and
+                      res.saving() is not None else (")" if res.saving() is not None else "")))
     out += [f"note: {n}" for n in res.notes]
     return out
 
@@ -97,6 +103,7 @@ def render_json(res: AutoBitsResult) -> str:
          "budget": res.budget, "target": res.target, "context": res.context, "eval_tokens": res.eval_tokens,
          "layers": res.layers, "split": res.split, "ladder": list(res.ladder), "layer_bits": res.layer_bits,
          "saving_vs_best_uniform": res.saving(), "best_uniform": _cand(res.best_uniform), "chosen": _cand(res.chosen),
+         "best_uniform_pair": _cand(res.best_pair), "saving_vs_best_uniform_pair": res.saving(res.best_pair),
          "uniform": [_cand(c) for c in res.uniform], "candidates": [_cand(c) for c in res.rounds],
          "sensitivity": [{"layer": k[0], "side": ("keys", "values")[k[1]] if res.split else "keys+values",
                           "level": k[2], "dkl": v} for k, v in res.sensitivity.items()],
