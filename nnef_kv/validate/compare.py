@@ -220,19 +220,13 @@ def _context_figures(res: Any) -> dict[str, Any]:
 def _tract_loads(model: Any) -> tuple[bool | None, str]:
     """Does tract 0.23.9 load (and run one call of) this archive? Tried, not assumed."""
     from .decode import TractDecoder, detect_signature, tract_available
-    from .runner import _with_path
 
     if not tract_available():
         return None, "tract is not installed"
-
-    def attempt(p: str) -> tuple[bool, str]:
-        sig = detect_signature(model.session().plan)
-        dec = TractDecoder(p, sig)
+    try:
+        dec = TractDecoder(model, detect_signature(model.session().plan))  # a temporary archive of the model
         dec.prefill([0, 1])
         return True, "loads and runs (one call tried)"
-
-    try:
-        return _with_path(model, attempt)
     except BaseException as exc:  # tract's errors (pyo3 panics are BaseException)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
@@ -338,13 +332,13 @@ def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options:
                   label: str = "<in memory>", jobs: int | None = None, ray: str | None = None,
                   names: dict[str, str] | None = None, show_progress: bool | None = None) -> CompareReport:
     """Measure every scheme of ``specs`` on ``model`` (the f32 Model) with the tokens of ``source``."""
-    from .jobs import run_all
+    from .jobs import run_tasks
 
     o = options or CompareOptions()
     t0 = time.perf_counter()
     job, notes = prepare(model, source, o, label, names)
-    rows, runner = run_all(job, list(specs), jobs=jobs, ray=ray, show_progress=show_progress,
-                           steps=job_steps(o, job.contexts))
+    rows, runner = run_tasks(run_job, job, list(specs), [s.text for s in specs], jobs=jobs, ray=ray,
+                             steps=job_steps(o, job.contexts), show_progress=show_progress, title="compare")
     rows.sort(key=SchemeRow.sort_key)
     return CompareReport(archive=label, tokens=source.description, contexts=job.contexts, eval_tokens=o.eval_tokens,
                          rows=rows, notes=notes, runner=runner, seconds=time.perf_counter() - t0)

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import InputError
 from ..progress import progress_enabled
 
-__all__ = ["run_all", "run_tasks", "default_jobs", "THREAD_ENV"]
+__all__ = ["run_tasks", "default_jobs", "THREAD_ENV"]
 
 #: the environment of every worker: one thread per BLAS / OpenMP / numba pool (the job is the unit of parallelism)
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
@@ -198,12 +198,3 @@ def _run_ray(fn: Callable[..., Any], shared: Any, items: list[Any], labels: list
     finally:
         if started and address == "local":
             ray.shutdown()
-
-
-def run_all(job: Any, specs: list[Any], *, jobs: int | None, ray: str | None, show_progress: bool | None,
-            steps: int) -> tuple[list[Any], str]:
-    """The rows of ``compare``: :func:`~.compare.run_job` for each scheme."""
-    from .compare import run_job
-
-    return run_tasks(run_job, job, specs, [s.text for s in specs], jobs=jobs, ray=ray, steps=steps,
-                     show_progress=show_progress, title="compare")
