@@ -19,7 +19,7 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
 4. **Search.** Predicted KL = KL(most precise) + sum of the units' dKL (first order, interactions
    ignored); the fewest bytes under a predicted-KL limit is a multiple-choice knapsack, solved exactly on
    a grid of 4000 KL steps (dynamic programming over units).
-5. **Verification.** Each candidate is converted and measured, two per round (run in parallel), four
+5. **Verification.** Each candidate is converted and measured, two per round (run in parallel), six
    rounds: the predicted-KL limit is first the target's (x 1 and x 0.7); while every candidate measures
    within the target the limit grows (x 1.6, x 2.5: the first-order model is often pessimistic), while
    every one is above it shrinks, and once both kinds are seen it is searched between the largest good
@@ -43,7 +43,7 @@ LADDERS: dict[str, tuple[Any, ...]] = {
     "hf-hqq": (1, 2, 3, 4, 8), "tract-cache": (4, 8)}
 SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True}
 GRID = 4000
-ROUNDS = 4  # verification rounds (two candidates each)
+ROUNDS = 6  # verification rounds (two candidates each)
 
 
 @dataclass
