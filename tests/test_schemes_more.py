@@ -105,3 +105,42 @@ def test_cli_offers_the_new_schemes_and_flags():
     flags = {o for a in sub.choices["convert"]._actions for o in a.option_strings}
     assert {"--key-type", "--value-type", "--group-size", "--backend", "--axis-key", "--axis-value", "--key-bits",
             "--value-bits", "--key-axis", "--layer-bits"} <= flags
+
+
+@pytest.mark.parametrize("scheme,options", [
+    ("ggml", dict(key_type="q4_0", value_type="q8_0")), ("ggml", dict(key_type="q5_1", residual=8)),
+    ("hf", dict(bits=4, group_size=32, residual=8)), ("hf", dict(bits=2, backend="hqq", axis_key=1, axis_value=1,
+                                                                   group_size=16, residual=5)),
+    ("kivi", dict(bits=4, value_bits=2, key_group=8, value_group=8, residual=8)),
+    ("kivi", dict(bits=3, key_axis="token", key_group=8, value_group=8, residual=4, layer_bits="8,2/4,3")),
+])
+def test_session_stepwise_equals_one_token_runs(model, scheme, options):
+    """Whole decoders under the new schemes: a stepwise run answers as one-token runs, and leaves the
+    same state (within the rounding of a batched weight product). The ops are exact on equal inputs
+    (their own tests); here a stepwise run computes K and V for all its tokens in one weight product,
+    whose last bits may differ from one-token runs', and a value on a rounding edge then lands one code
+    apart: at 4 bits and below one code is a sizeable step, so the logits are held to the change such
+    flips make (at most 1% of the codes differ), the KIVI op (which reads the newest tokens exactly) to
+    1e-5."""
+    from nnef_kv.validate.decode import InterpreterDecoder
+
+    conv, _ = convert(model, scheme=scheme, **options)
+    ids = [int(i) for i in np.random.default_rng(7).integers(0, 64, 60)]
+    one = InterpreterDecoder(conv)
+    want = np.stack([one(np.asarray(ids[:12]))] + [one(np.asarray([t])) for t in ids[12:]])
+    step = InterpreterDecoder(conv)
+    first = step(np.asarray(ids[:12]))
+    out = step.session.run({step.sig.ids_input: np.asarray(ids[12:], np.int64)[None]}, stepwise=True)
+    lg = np.asarray(out[step.sig.logits_output]).reshape(-1, 64)
+    got = np.concatenate([first[None], lg])
+    assert got.shape == want.shape == (49, 64)
+    tol = 1e-5 if scheme == "kivi" else 1e-4
+    assert np.abs(got - want).max() <= tol * np.abs(want).max()
+    for s1, s2 in zip(one.session.states, step.session.states):
+        t1, t2 = s1.state_tensors(), s2.state_tensors()
+        assert t1.keys() == t2.keys()
+        for key in t1:
+            if t1[key].dtype.kind == "f":
+                np.testing.assert_allclose(t1[key], t2[key], rtol=1e-4, atol=1e-5)
+            else:  # codes: a value on a rounding edge may land one code apart
+                assert t1[key].shape == t2[key].shape and np.sum(t1[key] != t2[key]) <= 0.01 * t1[key].size
