@@ -161,3 +161,15 @@ def test_ray_gives_the_same_table_as_the_process_pool():
     assert on_ray.runner.startswith("ray") and pool.runner.startswith("local process pool")
     assert ray_rows == pool_rows
     assert render_table(on_ray) == render_table(pool)
+
+
+@requires_shared
+def test_compare_refuses_an_archive_already_quantized(tmp_path, capsys):
+    from nnef_kv.converters import convert_file
+
+    q = tmp_path / "kivi.nnef.tgz"
+    convert_file(LLAMA, q, scheme="kivi")
+    rc = main(["compare", str(q), "--schemes", "kivi:4", "--context", "96", "--eval-tokens", "4",
+               "--tokenizer", str(LLAMA.parent / "tokenizer.json")])
+    err = capsys.readouterr().err
+    assert rc == 2 and "holds a quantized KV cache already (nnef_kv_kivi_sdpa" in err and err.count("\n") == 1
