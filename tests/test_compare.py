@@ -173,3 +173,21 @@ def test_compare_refuses_an_archive_already_quantized(tmp_path, capsys):
                "--tokenizer", str(LLAMA.parent / "tokenizer.json")])
     err = capsys.readouterr().err
     assert rc == 2 and "holds a quantized KV cache already (nnef_kv_kivi_sdpa" in err and err.count("\n") == 1
+
+
+def _die_on_odd(shared, item, tick):
+    import os
+
+    if item % 2:
+        os._exit(3)  # the worker process dies
+    return item * shared
+
+
+def test_a_dead_worker_is_a_result_not_an_abort():
+    from nnef_kv.validate.jobs import run_tasks
+
+    got, where = run_tasks(_die_on_odd, 10, [0, 1, 2], ["a", "b", "c"], jobs=1, show_progress=False,
+                           on_error=lambda item, exc: f"died: {type(exc).__name__}")
+    assert got[0] == 0 and got[1].startswith("died: ") and "process pool" in where
+    with pytest.raises(Exception):
+        run_tasks(_die_on_odd, 10, [1], ["b"], jobs=1, show_progress=False)

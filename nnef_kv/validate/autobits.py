@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 from ..errors import InputError
-from .compare import CompareOptions, SchemeRow, SchemeSpec, job_steps, prepare
+from .compare import CompareOptions, SchemeRow, SchemeSpec, job_steps, prepare, worker_died
 
 __all__ = ["LADDERS", "AutoBitsResult", "auto_bits", "knapsack"]
 
@@ -220,7 +220,8 @@ def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max
         if todo:
             specs = [_spec(scheme, options, c.setting, c.label) for c in todo]
             rows, where[0] = run_tasks(run_job, job, specs, [c.label for c in todo], jobs=jobs, ray=ray,
-                                       steps=steps, show_progress=show_progress, title="auto-bits")
+                                       steps=steps, show_progress=show_progress, title="auto-bits",
+                                       on_error=worker_died)
             for sp, r in zip(specs, rows):
                 memo[sp.kwargs["layer_bits"]] = r
         for c in cands:

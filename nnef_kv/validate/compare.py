@@ -295,6 +295,13 @@ def run_job(job: JobInput, spec: SchemeSpec, progress: Callable[[], None] | None
     return row
 
 
+def worker_died(spec: SchemeSpec, exc: BaseException) -> SchemeRow:
+    """The row of a scheme whose job's worker process died (its own errors are caught in :func:`run_job`)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    why = f"the job's worker died: {type(exc).__name__}" + (f": {text}" if text else "")
+    return SchemeRow(spec.text, "failed", why)
+
+
 def job_steps(options: CompareOptions, contexts: list[int]) -> int:
     """Progress steps of one job: convert, the prefill and the stepwise run of each context, tract, done."""
     return 2 + 2 * len(contexts) + (2 if options.tract else 0)
@@ -338,7 +345,8 @@ def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options:
     t0 = time.perf_counter()
     job, notes = prepare(model, source, o, label, names)
     rows, runner = run_tasks(run_job, job, list(specs), [s.text for s in specs], jobs=jobs, ray=ray,
-                             steps=job_steps(o, job.contexts), show_progress=show_progress, title="compare")
+                             steps=job_steps(o, job.contexts), show_progress=show_progress, title="compare",
+                             on_error=worker_died)
     rows.sort(key=SchemeRow.sort_key)
     return CompareReport(archive=label, tokens=source.description, contexts=job.contexts, eval_tokens=o.eval_tokens,
                          rows=rows, notes=notes, runner=runner, seconds=time.perf_counter() - t0)

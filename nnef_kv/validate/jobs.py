@@ -121,13 +121,16 @@ def _ray_module() -> Any:
 
 def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: Any, items: Sequence[Any],
               labels: Sequence[str], *, jobs: int | None = None, ray: str | None = None, steps: int = 1,
-              show_progress: bool | None = None, title: str = "jobs") -> tuple[list[Any], str]:
+              show_progress: bool | None = None, title: str = "jobs",
+              on_error: Callable[[Any, BaseException], Any] | None = None) -> tuple[list[Any], str]:
     """``[fn(shared, item, tick) for item in items]``, run in parallel; returns the results (in order) and a
-    description of where they ran. ``fn`` must be a module-level function (pickled by reference)."""
+    description of where they ran. ``fn`` must be a module-level function (pickled by reference); it
+    turns its own failures into results, and ``on_error(item, exc)`` gives the result of a job whose
+    worker died (a crashed process, a lost Ray node) -- without it that error is raised."""
     items = list(items)
     show = progress_enabled() if show_progress is None else show_progress
     if ray is not None:
-        return _run_ray(fn, shared, items, list(labels), ray, steps, show, title)
+        return _run_ray(fn, shared, items, list(labels), ray, steps, show, title, on_error)
     n = max(1, min(jobs or default_jobs(), len(items) or 1))
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
@@ -146,7 +149,12 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
         try:
             for f in as_completed(futs):
                 i = futs[f]
-                results[i] = f.result()
+                try:
+                    results[i] = f.result()
+                except Exception as exc:  # the worker died (BrokenProcessPool ...): the job's result says so
+                    if on_error is None:
+                        raise
+                    results[i] = on_error(items[i], exc)
                 if bars:
                     bars.finish(i)
         finally:
@@ -156,7 +164,7 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
 
 
 def _run_ray(fn: Callable[..., Any], shared: Any, items: list[Any], labels: list[str], address: str, steps: int,
-             show: bool, title: str) -> tuple[list[Any], str]:
+             show: bool, title: str, on_error: Callable[[Any, BaseException], Any] | None) -> tuple[list[Any], str]:
     ray = _ray_module()
     started = False
     if not ray.is_initialized():
@@ -186,7 +194,12 @@ def _run_ray(fn: Callable[..., Any], shared: Any, items: list[Any], labels: list
             while pending:
                 ready, pending = ray.wait(pending, num_returns=1)
                 for f in ready:
-                    results[index[f]] = ray.get(f)
+                    try:
+                        results[index[f]] = ray.get(f)
+                    except Exception as exc:  # a crashed worker, a lost node
+                        if on_error is None:
+                            raise
+                        results[index[f]] = on_error(items[index[f]], exc)
                     if bars:
                         bars.finish(index[f])
         finally:
