@@ -199,8 +199,7 @@ def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max
     earlier call on the same model, text, context and options (a sweep over budgets measures each once).
     ``match_uniform``: the target is also the best uniform setting's KL (never worse than it), not only
     the budget."""
-    from .jobs import run_tasks
-    from .compare import run_job
+    from .jobs import connect_ray, shutdown_ray
 
     if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
         raise InputError(f"--max-kl {max_kl}: a mean KL budget > 0 (nats) is expected")
@@ -208,6 +207,22 @@ def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max
         raise InputError(f"--context {','.join(map(str, copts.contexts))}: --auto-bits chooses for one context")
     ladder, split = _ladder(scheme, options)
     layers = _layers(model, scheme)
+    if ray is not None:
+        connect_ray(ray)  # an unreachable cluster is refused before any work
+    try:
+        return _search(model, source, scheme, options, max_kl, copts, label, jobs, ray, names, show_progress,
+                       cache, match_uniform, ladder, split, layers)
+    finally:
+        shutdown_ray(ray)
+
+
+def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_kl: float, copts: CompareOptions,
+            label: str, jobs: int | None, ray: str | None, names: dict[str, str] | None, show_progress: bool | None,
+            cache: dict[str, SchemeRow] | None, match_uniform: bool, ladder: tuple[Any, ...], split: bool,
+            layers: int) -> AutoBitsResult:
+    from .compare import run_job
+    from .jobs import run_tasks
+
     job, notes = prepare(model, source, copts, label, names)
     ctx = job.contexts[0]
     steps = job_steps(copts, job.contexts)
@@ -221,7 +236,7 @@ def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max
             specs = [_spec(scheme, options, c.setting, c.label) for c in todo]
             rows, where[0] = run_tasks(run_job, job, specs, [c.label for c in todo], jobs=jobs, ray=ray,
                                        steps=steps, show_progress=show_progress, title="auto-bits",
-                                       on_error=worker_died)
+                                       on_error=worker_died, keep_ray=True)
             for sp, r in zip(specs, rows):
                 memo[sp.kwargs["layer_bits"]] = r
         for c in cands:

@@ -339,10 +339,12 @@ def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options:
                   label: str = "<in memory>", jobs: int | None = None, ray: str | None = None,
                   names: dict[str, str] | None = None, show_progress: bool | None = None) -> CompareReport:
     """Measure every scheme of ``specs`` on ``model`` (the f32 Model) with the tokens of ``source``."""
-    from .jobs import run_tasks
+    from .jobs import connect_ray, run_tasks
 
     o = options or CompareOptions()
     t0 = time.perf_counter()
+    if ray is not None:
+        connect_ray(ray)  # an unreachable cluster is refused before any work
     job, notes = prepare(model, source, o, label, names)
     rows, runner = run_tasks(run_job, job, list(specs), [s.text for s in specs], jobs=jobs, ray=ray,
                              steps=job_steps(o, job.contexts), show_progress=show_progress, title="compare",

@@ -17,7 +17,7 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import InputError
 from ..progress import progress_enabled
 
-__all__ = ["run_tasks", "default_jobs", "THREAD_ENV"]
+__all__ = ["run_tasks", "connect_ray", "shutdown_ray", "default_jobs", "THREAD_ENV"]
 
 #: the environment of every worker: one thread per BLAS / OpenMP / numba pool (the job is the unit of parallelism)
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
@@ -122,7 +122,8 @@ def _ray_module() -> Any:
 def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: Any, items: Sequence[Any],
               labels: Sequence[str], *, jobs: int | None = None, ray: str | None = None, steps: int = 1,
               show_progress: bool | None = None, title: str = "jobs",
-              on_error: Callable[[Any, BaseException], Any] | None = None) -> tuple[list[Any], str]:
+              on_error: Callable[[Any, BaseException], Any] | None = None,
+              keep_ray: bool = False) -> tuple[list[Any], str]:
     """``[fn(shared, item, tick) for item in items]``, run in parallel; returns the results (in order) and a
     description of where they ran. ``fn`` must be a module-level function (pickled by reference); it
     turns its own failures into results, and ``on_error(item, exc)`` gives the result of a job whose
@@ -130,7 +131,7 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
     items = list(items)
     show = progress_enabled() if show_progress is None else show_progress
     if ray is not None:
-        return _run_ray(fn, shared, items, list(labels), ray, steps, show, title, on_error)
+        return _run_ray(fn, shared, items, list(labels), ray, steps, show, title, on_error, keep_ray)
     n = max(1, min(jobs or default_jobs(), len(items) or 1))
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
@@ -163,18 +164,30 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
     return results, f"local process pool ({n} worker{'s' if n > 1 else ''}, one BLAS thread each)"
 
 
-def _run_ray(fn: Callable[..., Any], shared: Any, items: list[Any], labels: list[str], address: str, steps: int,
-             show: bool, title: str, on_error: Callable[[Any, BaseException], Any] | None) -> tuple[list[Any], str]:
+_STARTED: set[str] = set()  # Ray runtimes this module started ("local" ones are shut down after the jobs)
+
+
+def connect_ray(address: str) -> None:
+    """Connect to (or, ``local``, start) Ray now, so that a cluster that cannot be reached is refused
+    before any work; a runtime already initialised (``ray.init(...)`` by the caller) is used as it is."""
     ray = _ray_module()
-    started = False
-    if not ray.is_initialized():
-        try:
-            ray.init(address=None if address == "local" else address, include_dashboard=False,
-                     log_to_driver=False, ignore_reinit_error=True)
-        except Exception as exc:  # a cluster that cannot be reached
-            raise InputError(f"--ray {address}: cannot connect: {str(exc).splitlines()[0] if str(exc) else exc}") \
-                from None
-        started = True
+    if ray.is_initialized():
+        return
+    try:
+        ray.init(address=None if address == "local" else address, include_dashboard=False,
+                 log_to_driver=False, ignore_reinit_error=True)
+    except Exception as exc:  # a cluster that cannot be reached
+        raise InputError(f"--ray {address}: cannot connect: {str(exc).splitlines()[0] if str(exc) else exc}") \
+            from None
+    _STARTED.add(address)
+
+
+def _run_ray(fn: Callable[..., Any], shared: Any, items: list[Any], labels: list[str], address: str, steps: int,
+             show: bool, title: str, on_error: Callable[[Any, BaseException], Any] | None,
+             keep_ray: bool = False) -> tuple[list[Any], str]:
+    ray = _ray_module()
+    connect_ray(address)
+    started = address in _STARTED
     q = None
     if show:
         from ray.util.queue import Queue
@@ -209,5 +222,13 @@ def _run_ray(fn: Callable[..., Any], shared: Any, items: list[Any], labels: list
         where = "local" if address == "local" else address
         return results, f"ray ({where}, {cpus} CPUs in the cluster, one BLAS thread a task)"
     finally:
-        if started and address == "local":
+        if started and address == "local" and not keep_ray:
             ray.shutdown()
+            _STARTED.discard(address)
+
+
+def shutdown_ray(address: str | None) -> None:
+    """Stop a ``local`` Ray runtime this module started (several runs kept it with ``keep_ray``)."""
+    if address == "local" and address in _STARTED:
+        _ray_module().shutdown()
+        _STARTED.discard(address)
