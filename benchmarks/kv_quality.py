@@ -211,7 +211,8 @@ def main(argv=None) -> dict:
         print(f"{label:44s}" + "".join(f"{100 * row[n]:11.3f}%{bits[n]:7.2f}" for n in names)
               + f"   {time.perf_counter() - t:6.1f}", flush=True)
     if not args.quick:
-        print("tract quantized_kv_sdpa vs exact attention, Gaussian K/V, D=16, 2 heads, after 5/10/20/40 steps, 3 seeds:")
+        print("tract quantized_kv_sdpa vs exact attention, Gaussian K/V, D=16, 2 heads, after 5/10/20/40 steps, "
+              "3 seeds:")
         for label, (lo, hi) in tract_gaussian().items():
             print(f"  {label:22s} {100 * lo:6.1f}% .. {100 * hi:6.1f}%")
     return results

@@ -192,7 +192,8 @@ class NormalizePass:
             g.inline(name, frags[op])  # type: ignore[index]
             rep.nodes_replaced.append(f"{name}: {op}(...) inlined")
         if calls:
-            rep.notes.append(f"{len(calls)} call(s) of attention fragments ({', '.join(sorted({g.op_of(c) or '' for c in calls} - {''}) or sorted(frags))}) "
+            names = ', '.join(sorted({g.op_of(c) or '' for c in calls} - {''}) or sorted(frags))
+            rep.notes.append(f"{len(calls)} call(s) of attention fragments ({names}) "
                              "inlined into the graph")
         probe = GraphEdit(g.document(), g.tensors, g.where)
         ctx.initially_dead = set(probe.dead_code())
@@ -355,7 +356,8 @@ class CachePass:
                 self._explicit(ctx, src, attrs)
             else:
                 self._dyn(ctx, src, attrs)
-            rep.nodes_replaced.append(f"{src.full} ({src.role}s): {'concat' if src.kind == 'explicit' else DYN_CACHE_OP} "
+            was = 'concat' if src.kind == 'explicit' else DYN_CACHE_OP
+            rep.nodes_replaced.append(f"{src.full} ({src.role}s): {was} "
                                       f"-> {ctx.scheme.op}")
         ctx.caches = caches
         ctx.forget_dead_readers(set(ctx.removed_inputs))
