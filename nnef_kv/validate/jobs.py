@@ -4,6 +4,10 @@ optional extra ``pip install -e ".[ray]"``). The shared input (the f32 model, th
 reference runs) goes to each worker once: the pool's initializer, or Ray's object store (``ray.put``).
 Both run every job in a worker with one BLAS/OpenMP thread, so both give the same numbers; results come
 back in the order of the jobs. Progress (on a terminal): one bar per job and an overall bar with its ETA.
+
+The pool's workers are *spawned* (a fresh interpreter each: no forked BLAS or numba thread state), so a
+script calling :func:`~.compare.compare_model` or :func:`~.autobits.auto_bits` needs the usual
+``if __name__ == "__main__":`` guard (the workers import the main module).
 """
 from __future__ import annotations
 
