@@ -110,3 +110,18 @@ def test_stepwise_chunks_are_unchanged_by_the_kernels(monkeypatch) -> None:
     got = a.stepwise(*x)
     monkeypatch.setenv(NO_NUMBA_ENV, "1")
     np.testing.assert_array_equal(got, b.stepwise(*x))
+
+
+def test_equal_key_and_value_bits_are_that_width_on_the_kernels() -> None:
+    """``bits=8, key_bits=value_bits=4`` is not a variant (same widths, per-channel keys): the kernels must
+    read its codes as 4-bit ones, bit for bit what ``bits=4`` gives."""
+    rng = np.random.default_rng(7)
+    kw = dict(scale=D ** -0.5, key_group=32, value_group=32, residual=32)
+    a, b = KiviSdpa(bits=4, **kw), KiviSdpa(bits=8, key_bits=4, value_bits=4, **kw)
+    assert not b.cfg.variant
+    q, k, v = _qkv(rng, 300)
+    np.testing.assert_array_equal(a(q, k, v), b(q, k, v))
+    for t in range(40):
+        q, k, v = _qkv(rng, 1)
+        np.testing.assert_array_equal(a(q, k, v), b(q, k, v))
+    assert a.nbytes() == b.nbytes()

@@ -47,7 +47,7 @@ class KiviAttention:
             rk, rv = self._rows(view.res_k, self.res_k), self._rows(view.res_v, self.res_v)
             return decode_attention_rows(q, sk, sv, view.ns, self.k_codes.data, self.k_min.data, self.k_step.data,
                                          self.v_codes.data, self.v_min.data, self.v_step.data, view.tq, rk, rv,
-                                         view.nr, scale=c.scale, bits=c.bits, key_group=c.key_group,
+                                         view.nr, scale=c.scale, bits=c.kbits, key_group=c.key_group,
                                          value_group=c.value_group, sq=sq, is_causal=c.is_causal,
                                          threads=min(self.threads, n))
         nth = min(self.threads, n) if view.tq * n * self.d >= (1 << 20) else 1

@@ -15,6 +15,8 @@ either given (teacher forcing) or chosen greedily (argmax).
 """
 from __future__ import annotations
 
+import os
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
@@ -260,8 +262,9 @@ class TractDecoder:
 
     backend = "tract"
 
-    def __init__(self, path: str, sig: DecodeSignature) -> None:
-        self.driver = tract_driver.Decoder(str(path), sig)
+    def __init__(self, source: Any, sig: DecodeSignature) -> None:
+        """``source``: an archive path, or an in-memory model (given to tract as a temporary archive)."""
+        self.driver = tract_driver.Decoder(str(source) if isinstance(source, (str, os.PathLike)) else source, sig)
         self.tract_inputs = self.driver.tract_inputs
         self.sig = sig  # the driver starts with a fresh state and empty caches
 
