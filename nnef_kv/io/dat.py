@@ -46,9 +46,10 @@ from typing import BinaryIO, Union
 
 import numpy as np
 
-from ..atomic import atomic_write, default_mode
+from ..atomic import atomic_write
 from ..errors import LimitError, TensorFileError
 from ..limits import Limits, current_limits
+from ..targets import kind_of, path_arg, resolve
 from .blockquant import FORMATS as BLOCK_FORMATS
 from .blockquant import BlockQuantTensor
 
@@ -128,7 +129,8 @@ def describe(vendor: int, code: int, bits: int) -> str:
             return f"complex i{bits // 2}"
         if code in BLOCK_FORMATS:
             fmt = BLOCK_FORMATS[code][0]
-            detail = {0x2040: "legacy order", 0x3040: "GGML order", 0x3080: "tract read code", 0x3081: "tract write code"}
+            detail = {0x2040: "legacy order", 0x3040: "GGML order", 0x3080: "tract read code",
+                      0x3081: "tract write code"}
             return f"{fmt} ({detail[code]})"
         return f"unknown tract item type 0x{code:04x}"
     return f"unknown vendor 0x{vendor:04x} item type {code}"
@@ -281,7 +283,8 @@ def _payload_length(h: _Header, name: str) -> int | None:
         return expected
     dt = _plain_dtype(h.vendor, h.code, h.bits)
     if dt is None:
-        raise TensorFileError(f"{name}: unsupported item type {describe(h.vendor, h.code, h.bits)} with {h.bits} bits per item")
+        raise TensorFileError(f"{name}: unsupported item type {describe(h.vendor, h.code, h.bits)} with {h.bits} "
+                              f"bits per item")
     expected = (count * h.bits + 7) // 8
     if h.vendor == 0 and h.code == BOOL and h.data_length == expected + 1 and count * h.bits % 8 == 0:
         return h.data_length  # tract accepts one spare byte for bools when the bits fill whole bytes
@@ -379,9 +382,12 @@ def read_tensor(
     with ``with_info=True``. Errors are :class:`TensorFileError` naming the file.
     """
     limits = limits or current_limits()
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
+    if isinstance(source, (str, os.PathLike, bytes, bytearray)) or not hasattr(source, "read"):
+        path = path_arg(source, "nnef_kv.read_tensor", "the path of a .dat file or a binary file object")
         label = name or path
+        kind = kind_of(resolve(path))
+        if kind != "file":
+            raise TensorFileError(f"{label}: {'no such file' if kind == 'absent' else 'is a ' + kind}, not a .dat file")
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -442,7 +448,8 @@ def _header_bytes(info: DatInfo, shape: tuple[int, ...], data_length: int, name:
     return head + reserved
 
 
-def encode_parts(value: TensorValue, info: DatInfo | None = None, *, name: str = "<tensor>") -> list[bytes | memoryview]:
+def encode_parts(value: TensorValue, info: DatInfo | None = None, *,
+                 name: str = "<tensor>") -> list[bytes | memoryview]:
     """The bytes of a ``.dat`` file as a list of buffers (header first); large arrays are not copied.
 
     ``info`` (from :func:`read_tensor` ``with_info=True``) is honoured when it fits the value
@@ -509,11 +516,10 @@ def write_tensor(
     target: str | os.PathLike | BinaryIO, value: TensorValue, *, info: DatInfo | None = None
 ) -> None:
     """Write a ``.dat`` file to a path (atomically) or to a binary file object."""
-    if isinstance(target, (str, os.PathLike)):
-        name = os.fspath(target)
+    if isinstance(target, (str, os.PathLike, bytes, bytearray)) or not hasattr(target, "write"):
+        name = path_arg(target, "nnef_kv.write_tensor", "the path of the .dat file to write or a binary file object")
         parts = encode_parts(value, info, name=name)
-        with atomic_write(target) as f:
-            os.fchmod(f.fileno(), default_mode())
+        with atomic_write(name) as f:
             for p in parts:
                 f.write(p)
     else:
