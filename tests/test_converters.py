@@ -87,7 +87,8 @@ def test_attention_without_cache_refused():
 
 def test_head_mapping_other_than_repeat_interleave_refused():
     text = attention_graph(repeat="okr = tile(ok, repeats = [1, 2, 1, 1]);\n  ovr = tile(ov, repeats = [1, 2, 1, 1]);",
-                           qk="xq = tile(x, repeats = [1, 2, 1, 1]);\n  s = matmul(xq, okr, transposeB = true);", vname="ovr")
+                           qk="xq = tile(x, repeats = [1, 2, 1, 1]);\n  s = matmul(xq, okr, transposeB = true);",
+                           vname="ovr")
     with pytest.raises(ConversionError, match="only the grouped-query repeat"):
         convert(Model.from_text(text))
 
@@ -100,7 +101,8 @@ def test_cache_on_other_axis_refused():
 @pytest.mark.parametrize("variant", [
     dict(),  # transposeB, div scale, no mask
     dict(qk="kt = transpose(ok, axes = [0, 1, 3, 2]);\n  s = matmul(x, kt);", scale="ss = mul(s, 0.5);"),
-    dict(repeat="u = unsqueeze(ok, axes = [2]);\n  t = tile(u, repeats = [1, 1, 1, 1, 1]);\n  okr = reshape(t, shape = [1, 2, -1, 4]);",
+    dict(repeat="u = unsqueeze(ok, axes = [2]);\n  t = tile(u, repeats = [1, 1, 1, 1, 1]);\n"
+                "  okr = reshape(t, shape = [1, 2, -1, 4]);",
          qk="s = matmul(x, okr, transposeB = true);"),
 ])
 def test_explicit_cache_pass_kivi_is_exact_without_quantization(variant):
@@ -156,7 +158,9 @@ def test_report_text_lists_passes():
     _, report = convert(Model.from_text(attention_graph()), scheme="tract")
     text = report.to_text()
     assert "scheme tract" in text and "attention:" in text and "inputs removed: pk, pv" in text
-    assert "bits=4 ignored" in text
+    assert "ignored" not in text  # bits tract's op would ignore are refused instead (issue 13 item 8)
+    with pytest.raises(ConversionError, match="bits=4: scheme tract stores 8-bit codes"):
+        convert(Model.from_text(attention_graph()), scheme="tract", bits=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -261,8 +265,8 @@ def test_unrecognisable_attention_names_the_node_and_the_form(tmp_path, capsys):
                                               r"softcapping or an additive mask"):
         convert(Model.from_text(text))
     text = attention_graph(scale="t = mul(s, x);\n  ss = add(t, 1.0);")
-    with pytest.raises(ConversionError, match=r"stopped at node 't' \(mul\): expected .*a mul by a tensor that is not a "
-                                              r"scalar constant"):
+    with pytest.raises(ConversionError, match=r"stopped at node 't' \(mul\): expected .*a mul by a tensor that is "
+                                              r"not a scalar constant"):
         convert(Model.from_text(text))
     from nnef_kv.cli import main
 
@@ -321,8 +325,9 @@ def test_sdpa_over_explicit_caches_converts():
 }
 """
     src = Model.from_text(text)
+    kivi = dict(key_group=1, value_group=4, residual=64)
     for scheme in ("kivi", "tract", "tract-cache"):
-        conv, report = convert(src, scheme=scheme, bits=8, key_group=1, value_group=4, residual=64)
+        conv, report = convert(src, scheme=scheme, bits=8, **(kivi if scheme == "kivi" else {}))
         assert conv.session().input_names == ["x"], scheme
         assert report.attentions[0].startswith("sdpa attention")
     got = [s for s in [convert(src, scheme="kivi", bits=8, key_group=1, value_group=4, residual=64)[0].session()]]
