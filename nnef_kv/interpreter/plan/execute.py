@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ...errors import GraphError, InputError, NnefKvError, NnefSyntaxError
+from ...errors import GraphError, InputError, NnefKvError, NnefSyntaxError, clip, describe, names
 from ..graph import Graph, InputSpec, Node, slots_of as _slots_of
 from ..values import Lazy
 from .parallel import SPLITTER
@@ -93,7 +93,8 @@ def _tapped(plan: Plan, program: list, v: list, taps: dict[int, Callable[[Any], 
     return out
 
 
-def bind_inputs(plan: Plan, inputs: dict[str, Any], state_symbols: dict[str, tuple[int, str]] | None = None) -> list[Any]:
+def bind_inputs(plan: Plan, inputs: dict[str, Any],
+                state_symbols: dict[str, tuple[int, str]] | None = None) -> list[Any]:
     """Check the inputs against the declared shapes/dtypes, bind the symbols; return the run's value list.
 
     ``state_symbols`` are symbols the session's states bind (``P`` = tokens already in a KV cache), with the
@@ -110,7 +111,7 @@ def bind_inputs(plan: Plan, inputs: dict[str, Any], state_symbols: dict[str, tup
     known = {i.name for i in plan.inputs}
     extra = [k for k in inputs if k not in known]
     if extra:
-        raise InputError(f"unknown input '{extra[0]}' (the graph's inputs are {sorted(known)})")
+        raise InputError(f"unknown input {clip(repr(extra[0]), 80)} (the graph's inputs are {names(sorted(known))})")
     later: list[tuple[InputSpec, int, Any, int]] = []
     arrays: list[tuple[InputSpec, np.ndarray]] = []
     for spec in plan.inputs:
@@ -121,7 +122,8 @@ def bind_inputs(plan: Plan, inputs: dict[str, Any], state_symbols: dict[str, tup
             try:
                 x = np.asarray(x, dtype=spec.dtype)
             except (TypeError, ValueError) as exc:
-                raise InputError(f"input '{spec.name}': cannot convert to {spec.dtype}: {exc}") from None
+                raise InputError(f"input '{spec.name}': cannot convert {describe(x)} to {spec.dtype}: "
+                                 f"{clip(exc, 100)}") from None
         if x.dtype != spec.dtype:
             raise InputError(f"input '{spec.name}' has dtype {x.dtype}, the graph declares {spec.dtype}")
         if x.ndim != len(spec.shape):
