@@ -1,14 +1,27 @@
-"""Decode throughput: nnef-kv vs tract on a LLaMA-style decoder archive built here.
+"""Decode throughput: nnef-kv vs tract on a LLaMA-style decoder archive built here (or one given).
 
-The archive (deterministic random weights) is written as NNEF text + ``.dat`` tensors the way tract
-writes a detected LLaMA: ``tract_core_rms_norm``, ``tract_transformers_apply_rope``,
-``tract_transformers_dyn_kv_cache`` (the cache lives in op state), ``tract_transformers_sdpa``, a SwiGLU MLP
-and weights as ``[1, out, in]`` variables used through ``matmul(..., transposeB = true)``.
+The archive (deterministic random weights) is the package's built-in decoder, ``nnef_kv/models/llama.py``,
+written in one of three forms (``--form``):
+
+* ``tract`` (default): the form tract writes for a detected LLaMA (``DecoderConfig(cache="dyn",
+  spelling="tract")``): ``tract_core_rms_norm``, ``tract_transformers_apply_rope``,
+  ``tract_transformers_dyn_kv_cache`` (the cache lives in op state), a causal ``tract_transformers_sdpa``,
+  a SwiGLU MLP through ``tract_core_silu`` and weights as ``[1, out, in]`` variables used through
+  ``matmul(..., transposeB = true)``;
+* ``dyn``: torch-to-nnef's op spelling (chains of small ops) with the same session-held dyn caches and
+  sdpa (``cache="dyn"``);
+* ``explicit``: torch-to-nnef's explicit-cache export (``cache="explicit"``): the caches go in and out
+  of every call as arrays.
+
+``--archive PATH`` times an existing decoder archive instead (explicit or session caches: the signature
+``nnef_kv.validate.decode.detect_signature`` recognises; the model sizes printed are then the flags', not
+the archive's).
 
 Both engines prefill a prompt then decode greedily, one token per call; the script prints tokens/s of the
 decode phase for nnef-kv (1 and 2 BLAS threads, via threadpoolctl; and ``nnef-kv/2s``: BLAS on one thread,
 the session splitting its large products across two threads itself, ``Session(model, threads=2)``) and
-tract (single-threaded, its default), the ratios, and whether both produced the same tokens. On a shared machine: the engines are
+tract (single-threaded, its default; driven by ``nnef_kv.tract_driver``), the ratios, and whether both
+produced the same tokens. On a shared machine: the engines are
 interleaved, each figure is the best of ``--repeat`` runs, and CPU-time ratios are printed beside the
 wall-time ones; the load average before and after is printed too.
 
@@ -22,6 +35,8 @@ apart; ``--lockstep N`` sequences, BLAS on one then two threads.
     python benchmarks/decode.py                  # 4 layers, hidden 512, 8 heads, 8 kv heads, vocab 8192,
                                                  # then the GQA variant (2 kv heads)
     python benchmarks/decode.py --quick          # tiny config, a smoke test
+    python benchmarks/decode.py --form explicit  # torch-to-nnef's explicit-cache form of the same model
+    python benchmarks/decode.py --archive model.nnef.tgz --gqa-kv-heads 0
 
 On machines that set OPENBLAS_CORETYPE / OPENBLAS_L2_SIZE (see the environment notes), unset both for the
 benchmark command only: ``env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/decode.py``.
@@ -38,6 +53,9 @@ from typing import Any
 
 import numpy as np
 
+#: --form -> the built-in decoder's (cache, spelling)
+FORMS = {"tract": ("dyn", "tract"), "dyn": ("dyn", "torch-to-nnef"), "explicit": ("explicit", "torch-to-nnef")}
+
 
 @dataclass
 class Config:
@@ -49,118 +67,104 @@ class Config:
     vocab: int = 8192
     rope_theta: float = 10000.0
     eps: float = 1e-5
+    form: str = "tract"
+    seed: int = 0
 
     @property
     def head_dim(self) -> int:
         return self.hidden // self.heads
 
+    def decoder(self) -> Any:
+        """The ``nnef_kv.models.DecoderConfig`` of this benchmark model (weights N(0, 1/hidden))."""
+        from nnef_kv.models import DecoderConfig
 
-def graph_text(c: Config) -> str:
-    """NNEF text of the decoder (tract extension ops)."""
-    D, H, NH, NKV = c.head_dim, c.hidden, c.heads, c.kv_heads
-    L: list[str] = []
-    a = L.append
-    a("version 1.0;\n")
-    a("extension tract_registry tract_core;")
-    a("extension tract_registry tract_transformers;")
-    a("extension tract_symbol S;")
-    a("extension tract_symbol P;\n")
-    a("graph decoder(input_ids) -> (logits)\n{")
-    a("  input_ids = tract_core_external(shape = [1, S], datum_type = 'i64');")
-    a(f"  embed = variable<scalar>(label = 'embed', shape = [{c.vocab}, {H}]);")
-    a("  h_0 = tract_core_gather(embed, input_ids, axis = 0);")
-    # rotary tables from the positions P .. P+S-1 (P is bound by the KV cache state)
-    a("  pos = tract_core_range(P, P + S, 1);")
-    a("  pos_f = tract_core_cast(pos, to = 'f32');")
-    a("  pos_2 = unsqueeze(pos_f, axes = [1]);")
-    a(f"  inv_freq = variable<scalar>(label = 'inv_freq', shape = [1, {D // 2}]);")
-    a("  freqs = mul(pos_2, inv_freq);")
-    a("  emb = concat([freqs, freqs], axis = 1);")
-    a("  cos = unsqueeze(cos(emb), axes = [0, 1]);")
-    a("  sin = unsqueeze(sin(emb), axes = [0, 1]);")
-    scale = 1.0 / np.sqrt(D)
-    for i in range(c.layers):
-        h = f"h_{i}"
-        p = f"l{i}_"
-
-        def w(name: str, shape: list[int]) -> str:
-            a(f"  {p}{name} = variable<scalar>(label = '{p}{name}', shape = {shape});")
-            return f"{p}{name}"
-
-        ln1 = w("ln1", [1, 1, H])
-        a(f"  {p}n1r = tract_core_rms_norm({h}, axis = 2, eps = {c.eps});")
-        a(f"  {p}n1 = mul({p}n1r, {ln1});")
-        for proj, out in (("q", NH * D), ("k", NKV * D), ("v", NKV * D)):
-            wt = w(f"w{proj}", [1, out, H])
-            a(f"  {p}{proj}_lin = matmul({p}n1, {wt}, transposeA = false, transposeB = true);")
-            heads = NH if proj == "q" else NKV
-            a(f"  {p}{proj}_4 = reshape({p}{proj}_lin, shape = [{heads}, {D}], axis_start = 2, axis_count = 1);")
-            a(f"  {p}{proj}_t = transpose({p}{proj}_4, axes = [0, 2, 1, 3]);")
-        a(f"  {p}q_r = tract_transformers_apply_rope({p}q_t, cos, sin);")
-        a(f"  {p}k_r = tract_transformers_apply_rope({p}k_t, cos, sin);")
-        for kv, src in (("k", f"{p}k_r"), ("v", f"{p}v_t")):
-            a(f"  {p}{kv}_c = tract_transformers_dyn_kv_cache({src}, name = '{p}{kv}', axis = 2, datum_type = 'f32', "
-              f"past_sequence_shape = [1, {NKV}, P, {D}], input_sequence_shape = [1, {NKV}, S, {D}]);")
-        a(f"  {p}att = tract_transformers_sdpa({p}q_r, {p}k_c, {p}v_c, scale = {scale:.9f}, datum_type = 'f32', "
-          f"acc_datum_type = 'f32', is_causal = true);")
-        a(f"  {p}att_t = transpose({p}att, axes = [0, 2, 1, 3]);")
-        a(f"  {p}att_2 = reshape({p}att_t, shape = [{H}], axis_start = 2, axis_count = 2);")
-        wo = w("wo", [1, H, NH * D])
-        a(f"  {p}o = matmul({p}att_2, {wo}, transposeA = false, transposeB = true);")
-        a(f"  {p}h1 = add({h}, {p}o);")
-        ln2 = w("ln2", [1, 1, H])
-        a(f"  {p}n2r = tract_core_rms_norm({p}h1, axis = 2, eps = {c.eps});")
-        a(f"  {p}n2 = mul({p}n2r, {ln2});")
-        wg, wu, wd = w("wg", [1, c.ffn, H]), w("wu", [1, c.ffn, H]), w("wd", [1, H, c.ffn])
-        a(f"  {p}g = matmul({p}n2, {wg}, transposeA = false, transposeB = true);")
-        a(f"  {p}u = matmul({p}n2, {wu}, transposeA = false, transposeB = true);")
-        a(f"  {p}gu = mul(tract_core_silu({p}g), {p}u);")
-        a(f"  {p}d = matmul({p}gu, {wd}, transposeA = false, transposeB = true);")
-        a(f"  h_{i + 1} = add({p}h1, {p}d);")
-    a(f"  lnf = variable<scalar>(label = 'lnf', shape = [1, 1, {H}]);")
-    a(f"  last = slice(h_{c.layers}, axes = [1], begin = [S - 1], end = [S]);")
-    a("  nf = mul(tract_core_rms_norm(last, axis = 2, eps = 1e-5), lnf);")
-    a(f"  lm_head = variable<scalar>(label = 'lm_head', shape = [1, {c.vocab}, {H}]);")
-    a("  logits = matmul(nf, lm_head, transposeA = false, transposeB = true);")
-    a("}")
-    return "\n".join(L) + "\n"
-
-
-def weights(c: Config, seed: int = 0) -> dict[str, np.ndarray]:
-    rng = np.random.default_rng(seed)
-    D, H = c.head_dim, c.hidden
-
-    def mat(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape, dtype=np.float32) / np.sqrt(shape[-1])).astype(np.float32)
-
-    t: dict[str, np.ndarray] = {
-        "embed": rng.standard_normal((c.vocab, H), dtype=np.float32),
-        "inv_freq": (1.0 / c.rope_theta ** (np.arange(0, D, 2, dtype=np.float32) / D)).reshape(1, -1).astype(np.float32),
-        "lnf": (1 + 0.1 * rng.standard_normal((1, 1, H))).astype(np.float32),
-        "lm_head": mat(1, c.vocab, H),
-    }
-    for i in range(c.layers):
-        p = f"l{i}_"
-        t[p + "ln1"] = (1 + 0.1 * rng.standard_normal((1, 1, H))).astype(np.float32)
-        t[p + "ln2"] = (1 + 0.1 * rng.standard_normal((1, 1, H))).astype(np.float32)
-        t[p + "wq"] = mat(1, c.heads * D, H)
-        t[p + "wk"] = mat(1, c.kv_heads * D, H)
-        t[p + "wv"] = mat(1, c.kv_heads * D, H)
-        t[p + "wo"] = mat(1, H, c.heads * D)
-        t[p + "wg"] = mat(1, c.ffn, H)
-        t[p + "wu"] = mat(1, c.ffn, H)
-        t[p + "wd"] = mat(1, H, c.ffn)
-    return t
+        cache, spelling = FORMS[self.form]
+        return DecoderConfig(vocab=self.vocab, hidden=self.hidden, layers=self.layers, heads=self.heads,
+                             kv_heads=self.kv_heads, head_dim=self.head_dim, mlp=self.ffn, rope_theta=self.rope_theta,
+                             eps=self.eps, seed=self.seed, init_std=float(self.hidden) ** -0.5, cache=cache,
+                             spelling=spelling, name="decoder")
 
 
 def write_archive(c: Config, folder: Path) -> Path:
-    from nnef_kv import write_tensor
+    """The decoder of ``c`` built by ``nnef_kv/models/llama.py``, saved as a folder (graph.nnef + .dat)."""
+    import nnef_kv
+    from nnef_kv.models import build_decoder
 
-    folder.mkdir(parents=True, exist_ok=True)
-    (folder / "graph.nnef").write_text(graph_text(c))
-    for label, arr in weights(c).items():
-        write_tensor(folder / f"{label}.dat", arr)
-    return folder
+    return nnef_kv.save(build_decoder(c.decoder()), folder)
+
+
+def _folder(c: Config, args: argparse.Namespace, tmp: str) -> Path:
+    """``--archive`` as given, else the built-in decoder of ``c`` written into ``tmp``."""
+    if getattr(args, "archive", None):
+        return Path(args.archive)
+    return write_archive(c, Path(tmp) / "decoder")
+
+
+def _prompt(c: Config, args: argparse.Namespace, folder: Path) -> np.ndarray:
+    """The prompt's token ids (seeded), below the model's vocabulary (an ``--archive``'s read from its logits)."""
+    vocab = c.vocab
+    if getattr(args, "archive", None):
+        vocab = int(_last(_NnefKvCalls(_session(folder)).first(np.zeros(1, np.int64))).shape[-1])
+    return np.random.default_rng(42).integers(0, vocab, args.prompt).astype(np.int64)
+
+
+def _model_text(c: Config, args: argparse.Namespace, ffn: bool = False) -> str:
+    """What is timed, for the headers."""
+    if getattr(args, "archive", None):
+        return f"archive {args.archive}"
+    return (f"{c.layers} layers, hidden {c.hidden}, {c.heads} heads, {c.kv_heads} kv heads"
+            + (f", ffn {c.ffn}, vocab {c.vocab}" if ffn else "") + f" ({c.form} form)")
+
+
+def _last(logits: Any) -> np.ndarray:
+    """The last position's row of a logits output (``[1, S, V]``, ``[1, V]``...)."""
+    a = np.asarray(logits)
+    return a.reshape(-1, a.shape[-1])[-1]
+
+
+class _NnefKvCalls:
+    """An nnef-kv session driven with its archive's decode signature: ``first(prompt)`` (fresh caches),
+    ``step(token)``; explicit caches fed back from the previous call, session caches left to the session."""
+
+    def __init__(self, session: Any) -> None:
+        from nnef_kv.validate.decode import detect_signature
+
+        self.session = session
+        self.sig = detect_signature(session.plan)
+        self.ids, self.logits = self.sig.ids_input, self.sig.logits_output
+        self.cache: dict[str, np.ndarray] = {}
+
+    def feed(self, ids: np.ndarray) -> dict[str, np.ndarray]:
+        return {**self.cache, self.ids: ids} if self.sig.explicit else {self.ids: ids}
+
+    def __call__(self, ids: np.ndarray) -> np.ndarray:
+        out = self.session.run(self.feed(ids))
+        if self.sig.explicit:
+            self.cache = {i: out[o] for i, o in self.sig.cache_outputs.items()}
+        return out[self.logits]
+
+    def first(self, prompt: np.ndarray) -> np.ndarray:
+        self.cache = self.sig.empty_caches()
+        return self(prompt[None])
+
+    def step(self, token: int) -> np.ndarray:
+        return self(np.array([[token]], np.int64))
+
+
+def _tract_calls(folder: Path, sig: Any) -> tuple[Any, Any]:
+    """tract (a fresh state) driven like ``_NnefKvCalls``: ``(first(prompt), step(token))`` -> logits."""
+    from nnef_kv import tract_driver
+
+    if not sig.explicit:  # the caches live in tract's state; the logits are the only/first output
+        state = tract_driver.Stateful(folder)
+        return (lambda p: state.run_first([p[None]]), lambda t: state.run_first([np.array([[t]], np.int64)]))
+    dec = tract_driver.Decoder(folder, sig)
+
+    def first(p: np.ndarray) -> np.ndarray:
+        dec.reset()
+        return dec(p[None])[sig.logits_output]
+
+    return first, lambda t: dec.step(t)[sig.logits_output]
 
 
 @dataclass
@@ -180,13 +184,13 @@ def _timed_decode(first: Any, step: Any, steps: int) -> Result:
     t0 = time.perf_counter()
     logits = first()
     t1, c1, p1 = time.perf_counter(), time.thread_time(), time.process_time()
-    tokens = [int(np.argmax(logits[0, -1]))]
+    tokens = [int(np.argmax(_last(logits)))]
     walls = []
     for _ in range(steps - 1):
         ts = time.perf_counter()
         logits = step(tokens[-1])
         walls.append(time.perf_counter() - ts)
-        tokens.append(int(np.argmax(logits[0, -1])))
+        tokens.append(int(np.argmax(_last(logits))))
     t2, c2, p2 = time.perf_counter(), time.thread_time(), time.process_time()
     return Result(tokens, t1 - t0, t2 - t1, c2 - c1, p2 - p1, float(np.median(walls)) if walls else 0.0)
 
@@ -196,17 +200,13 @@ def decode_nnef_kv(folder: Path, prompt: np.ndarray, steps: int, threads: int = 
     import nnef_kv
     from nnef_kv.interpreter.session import Session
 
-    session = Session(nnef_kv.load(folder), threads=threads)
-    return _timed_decode(lambda: session.run({"input_ids": prompt[None]})["logits"],
-                         lambda t: session.run({"input_ids": np.array([[t]], np.int64)})["logits"], steps)
+    calls = _NnefKvCalls(Session(nnef_kv.load(folder), threads=threads))
+    return _timed_decode(lambda: calls.first(prompt), calls.step, steps)
 
 
-def decode_tract(folder: Path, prompt: np.ndarray, steps: int) -> Result:
-    import tract
-
-    state = tract.nnef().with_tract_transformers().load(str(folder)).into_runnable().spawn_state()
-    return _timed_decode(lambda: state.run([prompt[None]])[0].to_numpy(),
-                         lambda t: state.run([np.array([[t]], np.int64)])[0].to_numpy(), steps)
+def decode_tract(folder: Path, prompt: np.ndarray, steps: int, sig: Any) -> Result:
+    first, step = _tract_calls(folder, sig)
+    return _timed_decode(lambda: first(prompt), step, steps)
 
 
 class _Engine:
@@ -218,13 +218,13 @@ class _Engine:
         self.times: list[float] = []
 
     def first(self) -> None:
-        self.tokens = [int(np.argmax(self._first()[0, -1]))]
+        self.tokens = [int(np.argmax(_last(self._first())))]
 
     def step(self) -> None:
         t = time.perf_counter()
         logits = self._step(self.tokens[-1])
         self.times.append(time.perf_counter() - t)
-        self.tokens.append(int(np.argmax(logits[0, -1])))
+        self.tokens.append(int(np.argmax(_last(logits))))
 
 
 def _alternate(engines: list[_Engine], steps: int) -> None:
@@ -241,7 +241,6 @@ def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, ro
     """nnef-kv (BLAS on ``blas_threads``) and tract decoding side by side, one token each in turn (the
     order alternates), so both see the same moments of a shared machine: a paired measurement. Returns
     per engine its total decode time over ``rounds`` sequences, and the per-token time ratios."""
-    import tract
     from threadpoolctl import threadpool_limits
 
     totals = {"nnef-kv": 0.0, "tract": 0.0}
@@ -249,12 +248,10 @@ def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, ro
     same = True
     with threadpool_limits(limits=blas_threads, user_api="blas"):
         for _ in range(rounds):
-            session = _session(folder)
-            state = tract.nnef().with_tract_transformers().load(str(folder)).into_runnable().spawn_state()
-            ours = _Engine("nnef-kv", lambda: session.run({"input_ids": prompt[None]})["logits"],
-                           lambda t: session.run({"input_ids": np.array([[t]], np.int64)})["logits"])
-            theirs = _Engine("tract", lambda: state.run([prompt[None]])[0].to_numpy(),
-                             lambda t: state.run([np.array([[t]], np.int64)])[0].to_numpy())
+            calls = _NnefKvCalls(_session(folder))
+            first, step = _tract_calls(folder, calls.sig)
+            ours = _Engine("nnef-kv", lambda: calls.first(prompt), calls.step)
+            theirs = _Engine("tract", lambda: first(prompt), step)
             _alternate([ours, theirs], steps)
             totals["nnef-kv"] += sum(ours.times)
             totals["tract"] += sum(theirs.times)
@@ -286,11 +283,11 @@ def profile(c: Config, args: argparse.Namespace) -> None:
 
     from nnef_kv.interpreter.plan import bind_inputs
 
-    rng = np.random.default_rng(42)
-    prompt = rng.integers(0, c.vocab, args.prompt).astype(np.int64)
     with tempfile.TemporaryDirectory(prefix="nnef-kv-bench-") as tmp, threadpool_limits(limits=1, user_api="blas"):
-        folder = write_archive(c, Path(tmp) / "decoder")
+        folder = _folder(c, args, tmp)
+        prompt = _prompt(c, args, folder)
         session = _session(folder, plain=args.plain)
+        decode = _NnefKvCalls(session)
         plan = session.plan
         spent: dict[str, float] = collections.defaultdict(float)
         calls: collections.Counter[str] = collections.Counter()
@@ -306,17 +303,17 @@ def profile(c: Config, args: argparse.Namespace) -> None:
 
         plan.program = [(timed(st, node.op), dead) for (st, dead), node in zip(program, plan.step_nodes)]
         try:
-            tok = int(np.argmax(session.run({"input_ids": prompt[None]})["logits"][0, -1]))
+            tok = int(np.argmax(_last(decode.first(prompt))))
             spent.clear()
             calls.clear()
             n = args.steps - 1
             t0 = time.perf_counter()
             for _ in range(n):
-                tok = int(np.argmax(session.run({"input_ids": np.array([[tok]], np.int64)})["logits"][0, -1]))
+                tok = int(np.argmax(_last(decode.step(tok))))
             total = (time.perf_counter() - t0) / n
         finally:
             plan.program = program
-        v = bind_inputs(plan, {"input_ids": np.array([[tok]], np.int64)}, session._state_symbols())
+        v = bind_inputs(plan, decode.feed(np.array([[tok]], np.int64)), session._state_symbols())
         warm: dict[str, float] = collections.defaultdict(float)
         for (st, _), node in zip(program, plan.step_nodes):
             if node.prim.stateful:  # appends to a cache: run once, not timed
@@ -326,8 +323,8 @@ def profile(c: Config, args: argparse.Namespace) -> None:
             for _ in range(200):
                 st(v, session.states)
             warm[node.op] += (time.perf_counter() - t) / 200
-    print(f"\n== profile ({'plain plan' if args.plain else 'planned'}): {c.layers} layers, hidden {c.hidden}, "
-          f"{c.heads} heads, {c.kv_heads} kv heads; {len(program)} steps; {plan.info}")
+    print(f"\n== profile ({'plain plan' if args.plain else 'planned'}): {_model_text(c, args)}; "
+          f"{len(program)} steps; {plan.info}")
     print(f"{'op':34s} {'in run ms/token':>16s} {'calls':>6s} {'us/call':>8s} {'warm us/call':>13s}")
     for op, t in sorted(spent.items(), key=lambda kv: -kv[1]):
         k = calls[op] // n
@@ -343,23 +340,21 @@ def plan_pair(c: Config, args: argparse.Namespace) -> None:
     specialisation; same constant folding, weight layout and projection fusion) decoding side by side."""
     from threadpoolctl import threadpool_limits
 
-    rng = np.random.default_rng(42)
-    prompt = rng.integers(0, c.vocab, args.prompt).astype(np.int64)
     totals = {"planned": 0.0, "plain": 0.0}
     with tempfile.TemporaryDirectory(prefix="nnef-kv-bench-") as tmp, threadpool_limits(limits=1, user_api="blas"):
-        folder = write_archive(c, Path(tmp) / "decoder")
+        folder = _folder(c, args, tmp)
+        prompt = _prompt(c, args, folder)
         for _ in range(max(args.lockstep, 1)):
             engines = []
             for plain in (False, True):
-                s = _session(folder, plain=plain)
-                engines.append(_Engine("plain" if plain else "planned",
-                                       lambda s=s: s.run({"input_ids": prompt[None]})["logits"],
-                                       lambda t, s=s: s.run({"input_ids": np.array([[t]], np.int64)})["logits"]))
+                calls = _NnefKvCalls(_session(folder, plain=plain))
+                engines.append(_Engine("plain" if plain else "planned", lambda calls=calls: calls.first(prompt),
+                                       calls.step))
             _alternate(engines, args.steps)
             for e in engines:
                 totals[e.name] += sum(e.times)
             assert engines[0].tokens == engines[1].tokens, "planned and plain plans decoded different tokens"
-    print(f"\n== planner gain, paired: {c.layers} layers, {c.kv_heads} kv heads: plain plan "
+    print(f"\n== planner gain, paired: {_model_text(c, args)}: plain plan "
           f"{totals['plain'] / (max(args.lockstep, 1) * (args.steps - 1)) * 1e3:.3f} ms/token, planned "
           f"{totals['planned'] / (max(args.lockstep, 1) * (args.steps - 1)) * 1e3:.3f} ms/token: "
           f"{totals['plain'] / totals['planned']:.3f}x (same tokens)")
@@ -381,16 +376,16 @@ def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
     much more than its CPU time."""
     from threadpoolctl import threadpool_limits
 
-    print(f"\n== {c.layers} layers, hidden {c.hidden}, {c.heads} heads, {c.kv_heads} kv heads, ffn {c.ffn}, "
-          f"vocab {c.vocab}; prompt {args.prompt}, {args.steps} tokens; best of {args.repeat}, engines interleaved")
-    rng = np.random.default_rng(42)
-    prompt = rng.integers(0, c.vocab, args.prompt).astype(np.int64)
+    print(f"\n== {_model_text(c, args, ffn=True)}; prompt {args.prompt}, {args.steps} tokens; best of {args.repeat}, "
+          f"engines interleaved")
     best: dict[str, dict[str, float]] = {}
     tokens: dict[str, list[int]] = {}
     print(f"load average before: {_loadavg()}")
     with tempfile.TemporaryDirectory(prefix="nnef-kv-bench-") as tmp:
-        folder = write_archive(c, Path(tmp) / "decoder")
+        folder = _folder(c, args, tmp)
+        prompt = _prompt(c, args, folder)
         tract_ok = not args.no_tract
+        sig = _NnefKvCalls(_session(folder)).sig
 
         def nnef(blas_threads: int, threads: int = 1) -> Any:
             def run() -> Result:
@@ -400,7 +395,7 @@ def bench(c: Config, args: argparse.Namespace) -> dict[str, float]:
 
         engines: list[tuple[str, Any]] = [("nnef-kv/1", nnef(1)), ("nnef-kv/2", nnef(2)), ("nnef-kv/2s", nnef(1, 2))]
         if tract_ok:
-            engines.append(("tract", lambda: decode_tract(folder, prompt, args.steps)))
+            engines.append(("tract", lambda: decode_tract(folder, prompt, args.steps, sig)))
         for rep in range(args.repeat):
             k = rep % len(engines)
             for name, run in engines[k:] + engines[:k]:
@@ -478,6 +473,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-tract", action="store_true")
     ap.add_argument("--lockstep", type=int, default=3,
                     help="sequences decoded by nnef-kv and tract side by side, token by token (0: skip)")
+    ap.add_argument("--form", choices=sorted(FORMS), default="tract",
+                    help="the built-in decoder's archive form (nnef_kv/models/llama.py): tract = tract's own stateful "
+                         "form (dyn_kv_cache + causal sdpa, fused rms_norm/rope/silu), dyn = torch-to-nnef's op "
+                         "spelling with the same dyn caches, explicit = torch-to-nnef's explicit-cache export")
+    ap.add_argument("--archive", metavar="PATH",
+                    help="time this decoder archive (folder, .tar, .tgz; explicit or session caches) instead of the "
+                         "built-in one; the size flags and --gqa-kv-heads are then ignored")
     ap.add_argument("--quick", action="store_true", help="tiny model, few steps (smoke test)")
     ap.add_argument("--profile", action="store_true",
                     help="only print where nnef-kv's decode time goes, op by op (default config, BLAS on 1 thread)")
@@ -500,13 +502,13 @@ def main(argv: list[str] | None = None) -> int:
     if forced:
         print(f"note: {forced} is set: OpenBLAS runs that kernel (slower on a recent CPU); for the benchmark "
               f"command only: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/decode.py")
-    config = Config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab)
+    config = Config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, form=args.form)
     if args.profile or args.plan_gain:
         (profile if args.profile else plan_pair)(config, args)
         return 0
     bench(config, args)
-    if args.gqa_kv_heads and args.gqa_kv_heads != args.kv_heads:
-        bench(Config(args.layers, args.hidden, args.heads, args.gqa_kv_heads, args.ffn, args.vocab), args)
+    if args.gqa_kv_heads and args.gqa_kv_heads != args.kv_heads and not args.archive:
+        bench(Config(args.layers, args.hidden, args.heads, args.gqa_kv_heads, args.ffn, args.vocab, form=args.form), args)
     return 0
 
 

@@ -57,7 +57,7 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         model, _ = convert(f32, scheme="kivi", bits=args.bits)
     ref = f32.session()  # the f32 cache is chunk-invariant: its stepwise logits are the reference's
     ref.run({"input_ids": prompt[None]})
-    ref_logits = np.asarray(ref.run({"input_ids": rest[None]}, stepwise=True)["logits"]).reshape(-1, cfg.vocab)
+    ref_logits = np.asarray(ref.run({"input_ids": rest[None]}, stepwise=True)["outputs"]).reshape(-1, cfg.vocab)
     print(f"decoder: {cfg.layers} layers, hidden {cfg.hidden}, {cfg.heads} heads / {cfg.kv_heads} kv heads, vocab "
           f"{cfg.vocab}; KIVI {args.bits}-bit (groups 32, residual 32); prompt {args.prompt}, then {args.tokens} "
           f"teacher-forced tokens; BLAS threads {args.blas_threads}")
@@ -73,13 +73,13 @@ def run(args: argparse.Namespace) -> dict[str, float]:
     def stepwise():
         s = fresh()
         t0 = time.perf_counter()
-        out = s.run({"input_ids": rest[None]}, stepwise=True)["logits"]
+        out = s.run({"input_ids": rest[None]}, stepwise=True)["outputs"]
         return time.perf_counter() - t0, np.asarray(out).reshape(-1, cfg.vocab), s
 
     def one_token():
         s = fresh()
         t0 = time.perf_counter()
-        rows = [np.asarray(s.run({"input_ids": rest[None, i:i + 1]})["logits"]).reshape(-1) for i in range(len(rest))]
+        rows = [np.asarray(s.run({"input_ids": rest[None, i:i + 1]})["outputs"]).reshape(-1) for i in range(len(rest))]
         return time.perf_counter() - t0, np.stack(rows), s
 
     stepwise()  # warm-up: plans built, caches warm

@@ -6,13 +6,15 @@ from pathlib import Path
 
 import pytest
 
+from nnef_kv import tract_driver
+
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
 CONFORMANCE = SHARED / "conformance"
 FIXTURES = SHARED / "fixtures"
 DOCS = SHARED / "docs"
 
-HAVE_TRACT = importlib.util.find_spec("tract") is not None
+HAVE_TRACT = tract_driver.available()
 HAVE_KHRONOS_NNEF = importlib.util.find_spec("nnef") is not None
 
 requires_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared material not found at {SHARED}")

@@ -56,10 +56,10 @@ def converted(fx: str, scheme: str, **opts):
 
 
 def _tract_decode(path, calls) -> np.ndarray:
-    import tract
+    from nnef_kv import tract_driver
 
-    state = tract.nnef().with_tract_transformers().load(str(path)).into_runnable().spawn_state()
-    return np.array([state.run([ids])[0].to_numpy()[0, -1] for ids in calls])
+    state = tract_driver.Stateful(path)
+    return np.array([state.run_first([ids])[0, -1] for ids in calls])
 
 
 # ----------------------------------------------------------------------------------------------

@@ -55,16 +55,16 @@ def _t2n(model, d: Path) -> list[float]:
 
 
 def _tract_t2n(d: Path, sig) -> list[float]:
-    import tract
+    from nnef_kv import tract_driver
 
-    m = tract.nnef().with_tract_transformers().with_tract_extra().load(str(d / "model.nnef.tgz"))
+    m = tract_driver.load(d / "model.nnef.tgz", ("tract_transformers", "tract_extra"))
     names = [m.input_name(i) for i in range(m.input_count())]
-    run = m.into_runnable()
+    run = tract_driver.runnable(m)
     out = []
     for f in sorted((d / "t2n_tests").glob("*_inputs.npz")):
         zi, zo = np.load(f), np.load(str(f).replace("_inputs", "_outputs"))
-        res = [t.to_numpy() for t in run.run([np.ascontiguousarray(zi[n]).astype(
-            np.float16 if zi[n].dtype == np.float32 and _mode(d) == "f16" else zi[n].dtype) for n in names])]
+        res = tract_driver.run(run, [np.ascontiguousarray(zi[n]).astype(
+            np.float16 if zi[n].dtype == np.float32 and _mode(d) == "f16" else zi[n].dtype) for n in names])
         out.append(max(float(np.max(np.abs(np.asarray(r, np.float64) - zo[k]))) for r, k in zip(res, sig.output_names)))
     return out
 

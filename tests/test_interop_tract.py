@@ -15,15 +15,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from nnef_kv import tract_driver
 from nnef_kv.io.archive import load, save
 from nnef_kv.io.dat import encode_tensor
 
-from conftest import CONFORMANCE, FIXTURES, HAVE_TRACT, requires_shared, requires_tract
+from conftest import CONFORMANCE, FIXTURES, requires_shared, requires_tract
 
 pytestmark = [requires_tract, requires_shared, pytest.mark.tract]
-
-if HAVE_TRACT:
-    import tract
 
 # small cases covering: folder with several .dat (gru-epilogue), i64 written as code 3
 # (scatter-nd-block), legacy Q4_0 (q40_linear_followed_slice, conv-q40 in a .tgz), f16 (.tgz),
@@ -50,10 +48,7 @@ MANIFEST = _manifest()
 
 def _loader(spec: str):
     """``tract.nnef()`` plus the ``.with_x()``/``.without_x()`` calls named in the manifest."""
-    nnef = tract.nnef()
-    for call in spec.split(".")[2:]:
-        nnef = getattr(nnef, call.removesuffix("()"))()
-    return nnef
+    return tract_driver.framework(spec)
 
 
 def _case(name: str) -> tuple[Path, object, list[np.ndarray]]:
@@ -71,10 +66,10 @@ def _case(name: str) -> tuple[Path, object, list[np.ndarray]]:
 
 
 def _run(loader, path: Path, inputs: list[np.ndarray]) -> tuple[list[str], list[np.ndarray]]:
-    model = loader.load(str(path))
+    model = tract_driver.load(path, nnef=loader)
     facts = [str(model.input_fact(i)) for i in range(model.input_count())]
     facts += [str(model.output_fact(i)) for i in range(model.output_count())]
-    outputs = [o.to_numpy() for o in model.into_runnable().run(inputs)]
+    outputs = tract_driver.run(model, inputs)
     return facts, outputs
 
 
@@ -170,7 +165,7 @@ graph G( x ) -> ( y, z )
     model = Model.from_text(text, {"w": w, "u": u})
     save(model, tmp_path / "q.nnef.tgz")
     x = rng.standard_normal((3, 64)).astype(np.float32)
-    _, (y, z) = _run(tract.nnef(), tmp_path / "q.nnef.tgz", [x])
+    _, (y, z) = _run(_loader("tract.nnef()"), tmp_path / "q.nnef.tgz", [x])
     np.testing.assert_allclose(y, x @ w.dequantize().T, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(z, x @ u.dequantize().T, rtol=1e-4, atol=1e-4)
     # sanity: the two orders are not interchangeable
@@ -206,7 +201,7 @@ graph G( x, j ) -> ( y, n, h )
         "half": rng.standard_normal(64).astype(np.float16),
     }
     save(Model.from_text(text, tensors), tmp_path / "ours")
-    loader = tract.nnef()
+    loader = _loader("tract.nnef()")
     x = rng.standard_normal(64).astype(np.float32)
     j = rng.integers(0, 100, 64)
     _, ref = _run(loader, tmp_path / "ours", [x, j])
@@ -233,7 +228,7 @@ def test_fixture_decoders_resaved_by_nnef_kv_run_identically_in_tract(tmp_path, 
     io = np.load(archive.parent / "io.npz")
     spec = json.loads((FIXTURES / "fixtures.json").read_text())[archive.parent.name]
     inputs = [io[n] for n in spec["inputs"]]
-    loader = tract.nnef()
+    loader = _loader("tract.nnef()")
     facts, ref = _run(loader, archive, inputs)
     save(load(archive), tmp_path / "m.nnef.tgz")
     facts2, out = _run(loader, tmp_path / "m.nnef.tgz", inputs)
@@ -252,7 +247,7 @@ def test_shipped_sample_runs_in_tract_as_written():
     x = rng.standard_normal((1, 16)).astype(np.float32)
     pk = rng.standard_normal((3, 16)).astype(np.float32)
     pv = rng.standard_normal((3, 16)).astype(np.float32)
-    _, (y, k, v) = _run(tract.nnef(), sample_path(), [x, pk, pv])
+    _, (y, k, v) = _run(_loader("tract.nnef()"), sample_path(), [x, pk, pv])
 
     xd = x.astype(np.float64)
     xn = xd / np.sqrt((xd**2).mean(axis=1, keepdims=True) + 1e-5) * t["block/norm.weight"]
@@ -284,6 +279,6 @@ def test_shipped_sample_runs_the_same_in_nnef_kv_and_tract():
         "past_v": rng.standard_normal((5, 16)).astype(np.float32),
     }
     ours = session.run(feeds)
-    _, theirs = _run(tract.nnef(), sample_path(), list(feeds.values()))
+    _, theirs = _run(_loader("tract.nnef()"), sample_path(), list(feeds.values()))
     for name, ref in zip(("y", "k", "v"), theirs):
         np.testing.assert_allclose(np.asarray(ours[name]), ref, atol=1e-4, rtol=5e-4)

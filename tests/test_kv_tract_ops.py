@@ -29,7 +29,7 @@ def test_round_half_away_from_zero():
 @requires_tract
 @pytest.mark.parametrize("scale", [0.25, None])
 def test_quantized_kv_sdpa_parity_f32_gqa(scale):
-    from nnef_kv.kv.tract_oracle import TractOracleSdpa
+    from tract_oracle import TractOracleSdpa
 
     rng = np.random.default_rng(1)
     b, hq, hkv, d = 1, 8, 2, 16  # GQA, 4 query heads per kv head
@@ -47,7 +47,7 @@ def test_quantized_kv_sdpa_parity_f32_gqa(scale):
 
 @requires_tract
 def test_quantized_kv_sdpa_parity_f16():
-    from nnef_kv.kv.tract_oracle import TractOracleSdpa
+    from tract_oracle import TractOracleSdpa
 
     rng = np.random.default_rng(2)
     b, hq, hkv, d = 2, 4, 1, 8
@@ -106,7 +106,7 @@ def test_quantized_kv_sdpa_state_round_trip_and_nbytes():
 @pytest.mark.parametrize("per_channel", [0, 1])
 @pytest.mark.parametrize("d", [16, 7])
 def test_dyn_kv_cache_parity(bits, per_channel, d):
-    from nnef_kv.kv.tract_oracle import TractOracleDynCache
+    from tract_oracle import TractOracleDynCache
 
     rng = np.random.default_rng(bits * 10 + per_channel + d)
     b, h = 2, 3
@@ -123,7 +123,7 @@ def test_dyn_kv_cache_parity(bits, per_channel, d):
 
 @requires_tract
 def test_dyn_kv_cache_parity_f16():
-    from nnef_kv.kv.tract_oracle import TractOracleDynCache
+    from tract_oracle import TractOracleDynCache
 
     rng = np.random.default_rng(9)
     oracle = TractOracleDynCache(1, 2, 8, 4, True, dtype=np.float16)

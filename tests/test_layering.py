@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv.interpreter.plan",),
     ("nnef_kv.interpreter.session", "nnef_kv.interpreter.check", "nnef_kv.interpreter"),
     ("nnef_kv.io.archive", "nnef_kv.io"),
+    ("nnef_kv.tract_driver",),  # loads archives (io) into tract; used by validate
     ("nnef_kv.models", "nnef_kv.samples", "nnef_kv.text", "nnef_kv.summary"),
     ("nnef_kv.converters.graph_edit", "nnef_kv.converters.attention"),
     ("nnef_kv.kv.schemes",),

@@ -88,3 +88,44 @@ def test_tract_runs_the_builtin_decoder(tmp_path, cache: str) -> None:
     trace = run_decode(TractDecoder(str(path), sig), ids[:4], 5, tokens=ids)
     want = reference_logits(cfg, build_decoder_weights(cfg), ids)[3:]
     np.testing.assert_allclose(trace.logits, want, atol=2e-5, rtol=0)
+
+
+@pytest.mark.parametrize("heads,kv_heads", [(4, 2), (4, 4)])
+def test_tract_spelling_matches_numpy_forward(heads: int, kv_heads: int) -> None:
+    """``spelling="tract"`` (tract's fused ops, caches in the state): same model, same reference."""
+    cfg = DecoderConfig(**{**SMALL, "heads": heads, "kv_heads": kv_heads}, cache="dyn", spelling="tract", seed=3)
+    text = build_decoder_text(cfg)
+    for op in ("tract_core_rms_norm", "tract_transformers_apply_rope", "tract_core_silu", "is_causal = true",
+               "tract_core_range(P, P + S, 1)", "transposeB = true"):
+        assert op in text, op
+    assert "tract_assert" not in text and "softmax" not in text and "sigmoid" not in text
+    ids = np.random.default_rng(5).integers(0, cfg.vocab, 11)
+    want = reference_logits(cfg, build_decoder_weights(cfg), ids)[4:]
+    got = _decode_interp(cfg, ids, 5)
+    np.testing.assert_allclose(got, want, atol=2e-5, rtol=0)
+    plain = build_decoder_weights(DecoderConfig(**{**cfg.to_dict(), "spelling": "torch-to-nnef"}))
+    tract_w = build_decoder_weights(cfg)
+    assert all(np.array_equal(plain[k].reshape(-1), tract_w[k].reshape(-1)) for k in plain)  # same values
+    assert tract_w["lm_head.weight"].shape == (1, cfg.vocab, cfg.hidden)
+
+
+def test_tract_spelling_needs_the_dyn_cache() -> None:
+    with pytest.raises(GraphError, match="spelling"):
+        build_decoder_text(DecoderConfig(**SMALL, spelling="tract"))
+    with pytest.raises(GraphError, match="spelling"):
+        build_decoder_text(DecoderConfig(**SMALL, cache="dyn", spelling="onnx"))
+
+
+@requires_tract
+def test_tract_runs_the_tract_spelling(tmp_path) -> None:
+    import nnef_kv
+    from nnef_kv.validate import TractDecoder, detect_signature, run_decode
+
+    cfg = DecoderConfig(**SMALL, cache="dyn", spelling="tract", seed=4)
+    model = build_decoder(cfg)
+    path = tmp_path / "m.nnef.tar"
+    nnef_kv.save(model, path)
+    ids = np.random.default_rng(9).integers(0, cfg.vocab, 9)
+    trace = run_decode(TractDecoder(str(path), detect_signature(model.session().plan)), ids[:4], 5, tokens=ids)
+    want = reference_logits(cfg, build_decoder_weights(cfg), ids)[3:]
+    np.testing.assert_allclose(trace.logits, want, atol=2e-5, rtol=0)

@@ -96,14 +96,14 @@ def test_save_and_restore_state(tmp_path: Path) -> None:
 @pytest.mark.skipif(not HAVE_TRACT, reason="tract is not installed")
 @pytest.mark.tract
 def test_stateful_parity_with_tract(tmp_path: Path) -> None:
-    import tract
+    from nnef_kv import tract_driver
 
     model = kv_model(tmp_path)
     ours = model.session()
-    theirs = tract.nnef().with_tract_transformers().load(str(tmp_path / "kv")).into_runnable().spawn_state()
+    theirs = tract_driver.Stateful(tmp_path / "kv")
     for x in steps(4, seed=3):
         mine = ours.run({"x": x})
-        ref = [t.to_numpy() for t in theirs.run([x])]
+        ref = theirs.run([x])
         np.testing.assert_allclose(mine["y"], ref[0], rtol=1e-6)
         np.testing.assert_allclose(mine["n"], ref[1], rtol=1e-5)
 
@@ -151,17 +151,16 @@ def test_fixture_decode_matches_reference(name: str) -> None:
 @pytest.mark.tract
 def test_scan_state_persists_across_runs_like_tract() -> None:
     """export-scan-state: a tract_core_scan whose recurrent state outlives the call (tract keeps it)."""
-    import tract
-
     from conftest import CONFORMANCE
+    from nnef_kv import tract_driver
 
     path = CONFORMANCE / "tract-harness" / "export-scan-state"
     ours = nnef_kv.load(path).session()
-    theirs = tract.nnef().load(str(path)).into_runnable().spawn_state()
+    theirs = tract_driver.Stateful(path, extensions=())  # plain tract.nnef()
     rng = np.random.default_rng(5)
     for s in (1, 3, 2):
         x = rng.standard_normal((s, 4)).astype(np.float32)
-        ref = theirs.run([x])[0].to_numpy()
+        ref = theirs.run_first([x])
         np.testing.assert_allclose(ours.run({"input": x})["output"], ref, rtol=1e-6)
     ours.reset()
     x = np.ones((1, 4), np.float32)

@@ -13,6 +13,7 @@ import pytest
 from conftest import requires_tract
 from tract_oracle import Graph, assert_close, tract_load
 
+from nnef_kv import tract_driver
 from nnef_kv.interpreter.catalog import lookup
 
 pytestmark = [requires_tract, pytest.mark.tract]
@@ -95,10 +96,9 @@ def decode_setup(request, tmp_path_factory):
     xs += [rng.standard_normal((1, 1, D_MODEL)).astype(npdt) for _ in range(STEPS)]
     graph = _graph(weights, dtype)
     folder = graph.write(tmp_path_factory.mktemp(f"decode_{dtype}"))
-    runnable = tract_load(folder).into_runnable()
-    state = runnable.spawn_state()
+    state = tract_driver.Stateful(tract_load(folder))
     w_list = [weights[n] for n in ("wq", "wk", "wv", "wo")]
-    ref = [state.run([x, *w_list])[0].to_numpy() for x in xs]
+    ref = [state.run_first([x, *w_list]) for x in xs]
     return dtype, folder, weights, xs, ref
 
 
@@ -165,7 +165,7 @@ def test_window_kv_sdpa_matches_tract_step_by_step(tmp_path) -> None:
         input_shapes={"q": f"[1, {HQ}, S, {HD}]", "k": f"[1, {HKV}, S, {HD}]", "v": f"[1, {HKV}, S, {HD}]"},
     )
     folder = graph.write(tmp_path / "window")
-    state = tract_load(folder).into_runnable().spawn_state()
+    state = tract_driver.Stateful(tract_load(folder))
     prim = lookup("tract_transformers_window_kv_sdpa")
     assert prim is not None and prim.stateful
     ours = prim.state_factory(axis=2, window=window, scale=0.4)
@@ -173,7 +173,7 @@ def test_window_kv_sdpa_matches_tract_step_by_step(tmp_path) -> None:
         q = rng.standard_normal((1, HQ, s, HD)).astype(np.float32)
         k = rng.standard_normal((1, HKV, s, HD)).astype(np.float32)
         v = rng.standard_normal((1, HKV, s, HD)).astype(np.float32)
-        want = state.run([q, k, v])[0].to_numpy()
+        want = state.run_first([q, k, v])
         assert_close(ours(q, k, v), want, what=f"window step {step}")
     assert ours.state_tensors()["k"].shape[2] == window
 

@@ -1,6 +1,8 @@
-"""Run a tiny NNEF graph in tract (the oracle), for the tract-op tests.
+"""Run a tiny NNEF graph in tract (the oracle), for the tract-op tests: a thin test helper over
+:mod:`nnef_kv.tract_driver`.
 
-Not a test module: helpers imported by ``test_tract_ops.py`` and ``test_tract_decode.py``.
+Not a test module: helpers imported by ``test_tract_ops.py``, ``test_tract_decode.py``, ``test_numbers.py``
+and ``test_kv_tract_ops.py`` (tract's two quantized-KV ops, one stateful tract session each).
 """
 from __future__ import annotations
 
@@ -9,6 +11,11 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
+
+from nnef_kv import tract_driver
+
+#: what the op tests load graphs with
+EXTENSIONS = ("tract_transformers", "onnx")
 
 _TRACT_NAMES = {
     np.dtype(np.float16): "f16",
@@ -58,15 +65,12 @@ class Graph:
 
 
 def tract_load(folder: Path):
-    import tract
-
-    return tract.nnef().with_tract_transformers().with_onnx().load(str(folder))
+    return tract_driver.load(folder, EXTENSIONS)
 
 
 def tract_run(folder: Path, inputs: Sequence[np.ndarray]) -> list[np.ndarray]:
     """Load ``folder`` in tract, run once, outputs by position."""
-    runnable = tract_load(folder).into_runnable()
-    return [v.to_numpy() for v in runnable.run([np.ascontiguousarray(a) for a in inputs])]
+    return tract_driver.run(folder, [np.ascontiguousarray(a) for a in inputs], EXTENSIONS)
 
 
 def assert_close(got: np.ndarray, want: np.ndarray, *, what: str = "") -> None:
@@ -81,3 +85,60 @@ def assert_close(got: np.ndarray, want: np.ndarray, *, what: str = "") -> None:
         )
     else:
         np.testing.assert_array_equal(got, want, err_msg=what)
+
+
+# ------------------------------------------------------------------------------------------------
+# tract's quantized-KV ops on NumPy inputs: a one-node graph, one stateful tract session
+# ------------------------------------------------------------------------------------------------
+_DT = {np.dtype(np.float32): "f32", np.dtype(np.float16): "f16"}
+
+
+class TractOracleSdpa:
+    """A tract session of ``tract_transformers_quantized_kv_sdpa`` (sequence lengths symbolic)."""
+
+    def __init__(self, b: int, hq: int, hkv: int, d: int, scale: float | None = None,
+                 dtype: np.dtype | type = np.float32) -> None:
+        dt = _DT[np.dtype(dtype)]
+        scale_arg = "" if scale is None else f", scale = {float(scale)!r}"
+        text = f"""version 1.0;
+extension tract_registry tract_core;
+extension tract_registry tract_transformers;
+extension tract_symbol SQ;
+extension tract_symbol SK;
+graph g(q, k, v) -> (o) {{
+  q = tract_core_external(shape = [{b}, {hq}, SQ, {d}], datum_type = '{dt}');
+  k = tract_core_external(shape = [{b}, {hkv}, SK, {d}], datum_type = '{dt}');
+  v = tract_core_external(shape = [{b}, {hkv}, SK, {d}], datum_type = '{dt}');
+  o = tract_transformers_quantized_kv_sdpa(q, k, v, axis = 2{scale_arg});
+}}
+"""
+        self.text = text
+        self.state = tract_driver.Stateful(tract_driver.load_text(text))
+
+    def __call__(self, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        return self.state.run_first([q, k, v])
+
+
+class TractOracleDynCache:
+    """A tract session of ``tract_transformers_quantized_dyn_kv_cache`` on ``[B, H, S, D]``."""
+
+    def __init__(self, b: int, h: int, d: int, bits: int, per_channel: bool,
+                 dtype: np.dtype | type = np.float32) -> None:
+        dt = _DT[np.dtype(dtype)]
+        text = f"""version 1.0;
+extension tract_registry tract_core;
+extension tract_registry tract_transformers;
+extension tract_symbol S;
+extension tract_symbol P;
+graph g(x) -> (y) {{
+  x = tract_core_external(shape = [{b}, {h}, S, {d}], datum_type = '{dt}');
+  y = tract_transformers_quantized_dyn_kv_cache(x, name = "cache", axis = 2, bits = {bits},
+        per_channel = {int(per_channel)}, datum_type = "{dt}",
+        past_sequence_shape = [{b}, {h}, P, {d}], input_sequence_shape = [{b}, {h}, S, {d}]);
+}}
+"""
+        self.text = text
+        self.state = tract_driver.Stateful(tract_driver.load_text(text))
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        return self.state.run_first([x])

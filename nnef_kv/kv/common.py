@@ -85,6 +85,7 @@ class GrowBuffer:
         self.min_chunk = min_chunk
         self.headroom = headroom
         self._new = np.zeros if zeroed else np.empty
+        self._lead = (slice(None),) * len(self.lead)  # index prefix reaching the growing axis
         self.len = 0
         self.data = np.zeros(self.lead + (0,) + self.tail, dtype=self.dtype)
 
@@ -107,17 +108,18 @@ class GrowBuffer:
         self.data = new
 
     def _sl(self, a: int, b: int) -> tuple:
-        return (slice(None),) * self.axis + (slice(a, b),)
+        return self._lead + (slice(a, b),)
 
     def append(self, items: np.ndarray) -> None:
-        k = items.shape[self.axis]
-        self.reserve(self.len + k)
-        self.data[self._sl(self.len, self.len + k)] = items
-        self.len += k
+        n = self.len
+        k = items.shape[len(self._lead)]
+        if n + k > self.data.shape[len(self._lead)]:
+            self.reserve(n + k)
+        self.data[self._lead + (slice(n, n + k),)] = items
+        self.len = n + k
 
     def view(self, a: int = 0, b: int | None = None) -> np.ndarray:
-        b = self.len if b is None else b
-        return self.data[self._sl(a, b)]
+        return self.data[self._lead + (slice(a, self.len if b is None else b),)]
 
     def drop_front(self, k: int) -> None:
         """Remove the first ``k`` items (into a new array of the same capacity: a mark stays valid)."""
@@ -175,7 +177,7 @@ class BufferCheckpoint(KvState):
         bufs = self._buffers()
         if not bufs:
             return None
-        return tuple(getattr(self, a) for a in self._CHECKPOINT_ATTRS), [(b, b.mark()) for b in bufs]
+        return [getattr(self, a) for a in self._CHECKPOINT_ATTRS], [(b, b.data, b.len) for b in bufs]
 
     def rollback(self, token: Any) -> None:
         """Undo every token taken since :meth:`checkpoint` returned ``token``."""
@@ -185,8 +187,8 @@ class BufferCheckpoint(KvState):
         values, marks = token
         for name, value in zip(self._CHECKPOINT_ATTRS, values):
             setattr(self, name, value)
-        for buf, m in marks:
-            buf.restore(m)
+        for buf, data, n in marks:
+            buf.restore((data, n))
 
 
 def expect_state(tensors: dict[str, np.ndarray], name: str, shape: tuple[int, ...] | None,

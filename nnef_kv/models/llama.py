@@ -12,6 +12,13 @@ The graph follows what torch-to-nnef's LLM export writes (see ``shared/fixtures/
   and attention is ``tract_transformers_sdpa``; the only input is ``input_ids`` and the only output
   ``outputs``. The past length is read from layer 0's value cache (values need no position), so the
   graph needs no position input.
+* ``cache="dyn", spelling="tract"``: the same model in the form tract itself writes once it has detected a
+  LLaMA (``transformers_detect_all``; what ``benchmarks/decode.py`` times): ``tract_core_rms_norm``,
+  ``tract_transformers_apply_rope``, ``tract_core_silu``, ``tract_transformers_dyn_kv_cache`` and a causal
+  ``tract_transformers_sdpa`` (no mask tensor), positions ``P .. P+S-1`` from the symbol ``P`` (bound by
+  the caches), weights ``[1, out, in]`` used through ``matmul(..., transposeB = true)``, norm weights
+  ``[1, 1, hidden]``, the final norm on the last position only; no ``tract_assert``. The default spelling,
+  ``"torch-to-nnef"``, is the exporter's chains of small ops described above.
 
 Blocks: token embedding (gather), per layer RMSNorm -> Q/K/V projections -> RoPE (rotate-half, theta
 ``rope_theta``) -> attention -> output projection -> residual, RMSNorm -> SwiGLU MLP -> residual; final
@@ -28,6 +35,7 @@ __all__ = ["DecoderConfig", "build_decoder_text", "build_decoder_weights", "buil
            "cache_input_names", "cache_output_names"]
 
 _CACHE_KINDS = ("explicit", "dyn")
+_SPELLINGS = ("torch-to-nnef", "tract")
 
 
 @dataclass(frozen=True)
@@ -47,6 +55,7 @@ class DecoderConfig:
     seed: int = 0
     init_std: float = 0.1
     cache: str = "explicit"
+    spelling: str = "torch-to-nnef"
     name: str = field(default="nnef_kv_tiny_llama")
 
     def validate(self) -> None:
@@ -61,6 +70,11 @@ class DecoderConfig:
             raise GraphError(f"decoder config: head_dim must be even for RoPE, got {self.head_dim}")
         if self.cache not in _CACHE_KINDS:
             raise GraphError(f"decoder config: cache must be one of {_CACHE_KINDS}, got {self.cache!r}")
+        if self.spelling not in _SPELLINGS:
+            raise GraphError(f"decoder config: spelling must be one of {_SPELLINGS}, got {self.spelling!r}")
+        if self.spelling == "tract" and self.cache != "dyn":
+            raise GraphError("decoder config: spelling='tract' is written with cache='dyn' only (tract's own form "
+                             "keeps the caches in its state)")
 
     @property
     def groups(self) -> int:
@@ -125,6 +139,11 @@ def build_decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
     t["lm_head.weight"] = w(cfg.vocab, h)
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     t["model.rotary_emb.inv_freq"] = inv.astype(np.float32)
+    if cfg.spelling == "tract":  # same values, tract's shapes: [1, out, in], [1, 1, hidden], [1, head_dim / 2]
+        for k, v in t.items():
+            if k == "model.embed_tokens.weight":
+                continue
+            t[k] = v.reshape((1, 1, *v.shape) if k.endswith("norm.weight") else (1, *v.shape))
     return t
 
 
@@ -199,6 +218,8 @@ def _repeat_kv(out: _Writer, x: str, cfg: DecoderConfig, total: str, name: str) 
 def build_decoder_text(cfg: DecoderConfig) -> str:
     """The ``graph.nnef`` text of the decoder described by ``cfg``."""
     cfg.validate()
+    if cfg.spelling == "tract":
+        return _tract_text(cfg)
     explicit = cfg.cache == "explicit"
     d, hq, hkv = cfg.head_dim, cfg.heads, cfg.kv_heads
     out = _Writer()
@@ -305,6 +326,75 @@ def build_decoder_text(cfg: DecoderConfig) -> str:
     head += ["extension tract_symbol S;", "extension tract_symbol P;", "extension tract_assert S >= 1;",
              "extension tract_assert P >= 0;", f"extension tract_assert S+P < {cfg.max_positions};", ""]
     head.append(f"graph {cfg.name}({', '.join(inputs)}) -> ({', '.join(outputs)})")
+    return "\n".join(head + ["{"] + out.lines + ["}"]) + "\n"
+
+
+def _tract_text(cfg: DecoderConfig) -> str:
+    """``spelling="tract"``: tract's fused ops, caches in tract's state (see the module docstring)."""
+    d, hq, hkv, hid = cfg.head_dim, cfg.heads, cfg.kv_heads, cfg.hidden
+    out = _Writer()
+    out("input_ids", "tract_core_external(shape = [1, S], datum_type = 'i64')")
+    emb = _var(out, "embed", "model.embed_tokens.weight", (cfg.vocab, hid))
+    out("hidden_0", f"tract_core_gather({emb}, input_ids, axis = 0)")
+    # rotary tables of the positions P .. P+S-1 (P is bound by the KV caches' state)
+    out("pos", "tract_core_range(P, P + S, 1)")
+    out("pos_f", "tract_core_cast(pos, to = 'f32')")
+    out("pos_2", "unsqueeze(pos_f, axes = [1])")
+    inv = _var(out, "inv_freq", "model.rotary_emb.inv_freq", (1, d // 2))
+    out("freqs", f"mul(pos_2, {inv})")
+    out("rope_emb", "concat([freqs, freqs], axis = 1)")
+    out("rope_cos", "cos(rope_emb)")
+    cos = out("cos", "unsqueeze(rope_cos, axes = [0, 1])")
+    out("rope_sin", "sin(rope_emb)")
+    sin = out("sin", "unsqueeze(rope_sin, axes = [0, 1])")
+    scale = 1.0 / float(np.sqrt(d))
+
+    def norm(x: str, label: str, name: str) -> str:
+        wv = _var(out, f"{name}_weight", label, (1, 1, hid))
+        r = out(f"{name}_rms", f"tract_core_rms_norm({x}, axis = 2, eps = {float(cfg.eps)!r})")
+        return out(name, f"mul({r}, {wv})")
+
+    def linear(x: str, label: str, shape: tuple[int, int], name: str) -> str:
+        wv = _var(out, f"{name}_weight", label, (1, *shape))
+        return out(name, f"matmul({x}, {wv}, transposeA = false, transposeB = true)")
+
+    hidden = "hidden_0"
+    for l in range(cfg.layers):
+        p, lab = f"layer{l}", f"model.layers.{l}."
+        x = norm(hidden, lab + "input_layernorm.weight", f"{p}_input_norm")
+        heads = {}
+        for proj, n in (("q", hq), ("k", hkv), ("v", hkv)):
+            lin = linear(x, lab + f"self_attn.{proj}_proj.weight", (n * d, hid), f"{p}_{proj}_proj")
+            r = out(f"{p}_{proj}_view", f"reshape({lin}, shape = [{n}, {d}], axis_start = 2, axis_count = 1)")
+            heads[proj] = out(f"{p}_{proj}", f"transpose({r}, axes = [0, 2, 1, 3])")
+        qr = out(f"{p}_q_rope", f"tract_transformers_apply_rope({heads['q']}, {cos}, {sin})")
+        kr = out(f"{p}_k_rope", f"tract_transformers_apply_rope({heads['k']}, {cos}, {sin})")
+        caches = {}
+        for kv, src in (("key", kr), ("value", heads["v"])):
+            caches[kv] = out(f"{p}_{kv}_cache",
+                             f"tract_transformers_dyn_kv_cache({src}, name = 'cache_{kv}_{l}', axis = 2, datum_type = 'f32', "
+                             f"past_sequence_shape = [1, {hkv}, P, {d}], input_sequence_shape = [1, {hkv}, S, {d}])")
+        att = out(f"{p}_attn_output",
+                  f"tract_transformers_sdpa({qr}, {caches['key']}, {caches['value']}, scale = {scale!r}, "
+                  f"datum_type = 'f32', acc_datum_type = 'f32', is_causal = true)")
+        at = out(f"{p}_attn_t", f"transpose({att}, axes = [0, 2, 1, 3])")
+        ar = out(f"{p}_attn_merged", f"reshape({at}, shape = [{hq * d}], axis_start = 2, axis_count = 2)")
+        o = linear(ar, lab + "self_attn.o_proj.weight", (hid, hq * d), f"{p}_o_proj")
+        h1 = out(f"{p}_residual_attn", f"add({hidden}, {o})")
+        x2 = norm(h1, lab + "post_attention_layernorm.weight", f"{p}_post_norm")
+        g = linear(x2, lab + "mlp.gate_proj.weight", (cfg.mlp, hid), f"{p}_gate_proj")
+        u = linear(x2, lab + "mlp.up_proj.weight", (cfg.mlp, hid), f"{p}_up_proj")
+        gs = out(f"{p}_gate_silu", f"tract_core_silu({g})")
+        gu = out(f"{p}_swiglu", f"mul({gs}, {u})")
+        dn = linear(gu, lab + "mlp.down_proj.weight", (hid, cfg.mlp), f"{p}_down_proj")
+        hidden = out(f"hidden_{l + 1}", f"add({h1}, {dn})")
+
+    last = out("last_hidden", f"slice({hidden}, axes = [1], begin = [S - 1], end = [S])")
+    fin = norm(last, "model.norm.weight", "final_norm")
+    linear(fin, "lm_head.weight", (cfg.vocab, hid), "outputs")
+    head = ["version 1.0;", "", "extension tract_registry tract_core;", "extension tract_registry tract_transformers;",
+            "extension tract_symbol S;", "extension tract_symbol P;", ""]
+    head.append(f"graph {cfg.name}(input_ids) -> (outputs)")
     return "\n".join(head + ["{"] + out.lines + ["}"]) + "\n"
 
 

@@ -23,8 +23,10 @@ def _rope(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
 
 
 def reference_logits(cfg: DecoderConfig, weights: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
-    """Logits ``[T, vocab]`` of every position of ``ids`` (one full causal forward, float64)."""
-    w = {k: v.astype(np.float64) for k, v in weights.items()}
+    """Logits ``[T, vocab]`` of every position of ``ids`` (one full causal forward, float64). The weights
+    may have either spelling's shapes (``spelling="tract"`` adds leading unit axes)."""
+    w = {k: v.astype(np.float64).reshape(v.shape[-1:] if k.endswith(("norm.weight", "inv_freq")) else v.shape[-2:])
+         for k, v in weights.items()}
     ids = np.asarray(ids).reshape(-1)
     t, d = ids.size, cfg.head_dim
     pos = np.arange(t, dtype=np.float64)

@@ -15,12 +15,15 @@ either given (teacher forcing) or chosen greedily (argmax).
 """
 from __future__ import annotations
 
+import os
+
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .. import tract_driver
 from ..errors import InputError
 from .capture import attention_step_indices, run_capturing
 
@@ -250,40 +253,30 @@ class InterpreterDecoder:
 
 
 def tract_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("tract") is not None
+    return tract_driver.available()
 
 
 class TractDecoder:
-    """Decode with tract (the oracle); outputs matched by position with the graph signature."""
+    """Decode with tract (the oracle) through :class:`nnef_kv.tract_driver.Decoder`: outputs matched by
+    position with the graph signature."""
 
     backend = "tract"
 
-    def __init__(self, path: str, sig: DecodeSignature) -> None:
-        import tract  # optional dependency
-
-        model = tract.nnef().with_tract_transformers().load(str(path))
-        self.tract_inputs = [model.input_name(i) for i in range(model.input_count())]
-        self.runnable = model.into_runnable()
-        self.sig = sig
-        if len(self.tract_inputs) != len(sig.input_names):
-            raise InputError(f"{path}: tract sees {len(self.tract_inputs)} inputs, the graph declares "
-                             f"{len(sig.input_names)}")
-        self.reset()
+    def __init__(self, source: Any, sig: DecodeSignature) -> None:
+        """``source``: an archive path, or an in-memory model (given to tract as a temporary archive)."""
+        self.driver = tract_driver.Decoder(str(source) if isinstance(source, (str, os.PathLike)) else source, sig)
+        self.tract_inputs = self.driver.tract_inputs
+        self.sig = sig  # the driver starts with a fresh state and empty caches
 
     def reset(self) -> None:
-        self.state = self.runnable.spawn_state()
-        self.cache = self.sig.empty_caches()
+        self.driver.reset()
+
+    @property
+    def cache(self) -> dict[str, np.ndarray]:
+        return self.driver.cache
 
     def __call__(self, ids: np.ndarray) -> np.ndarray:
-        feed = dict(self.cache)
-        feed[self.sig.ids_input] = np.asarray(ids, np.int64).reshape(1, -1)
-        res = [t.to_numpy() for t in self.state.run([np.ascontiguousarray(feed[n]) for n in self.sig.input_names])]
-        out = dict(zip(self.sig.output_names, res))
-        if self.sig.explicit:
-            self.cache = {i: out[o] for i, o in self.sig.cache_outputs.items()}
-        return _last_logits(out[self.sig.logits_output])
+        return _last_logits(self.driver(ids)[self.sig.logits_output])
 
     def prefill(self, ids: Sequence[int], chunk: int | None = None) -> tuple[np.ndarray, list[np.ndarray]]:
         ids = [int(t) for t in ids]

@@ -28,9 +28,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 import time
-from pathlib import Path
 from typing import Any, Callable, Sequence
 
 import numpy as np
@@ -208,19 +206,6 @@ def _parity_tolerance(options: ValidateOptions, dtype: str) -> tuple[float, floa
     return atol, rtol
 
 
-def _with_path(model: Any, fn: Callable[[str], Any], path: str | None = None) -> Any:
-    """``fn(path)`` when the caller vouches that ``path`` holds ``model`` unchanged, else ``fn`` on a temporary
-    copy written from ``model`` (a converted model keeps its source's path: never trust ``model.source``)."""
-    if path and os.path.exists(path):
-        return fn(str(path))
-    from ..io.archive import save
-
-    with tempfile.TemporaryDirectory(prefix="nnef_kv_tract_") as tmp:
-        p = Path(tmp) / "model.nnef.tar"
-        save(model, p)
-        return fn(str(p))
-
-
 def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: ContextResult,
                  options: ValidateOptions, path: str | None = None,
                  on_call: Callable[[], None] | None = None) -> ParityResult:
@@ -234,14 +219,16 @@ def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: C
                                        f"{', '.join(own)} (extension nnef_kv), which tract does not implement",
                             atol=atol, rtol=rtol)
 
-    def run(p: str) -> tuple[np.ndarray, float]:
-        t = TractDecoder(p, dec.sig)
+    def run() -> tuple[np.ndarray, float]:
+        # the archive at ``path`` when the caller vouches it holds ``model`` unchanged, else the model itself
+        # (a converted model keeps its source's path: never trust ``model.source``)
+        t = TractDecoder(path if path and os.path.exists(path) else model, dec.sig)
         t0 = time.perf_counter()
         m = _measure(t, ids, res.context, res.eval_tokens, res.chunk, on_call)
         return m.logits, time.perf_counter() - t0
 
     try:
-        theirs, seconds = _with_path(model, run, path)
+        theirs, seconds = run()
     except NnefKvError:
         raise
     except BaseException as exc:  # tract raises its own errors (and pyo3 panics are BaseException)
