@@ -266,7 +266,7 @@ def test_passes_read_the_scheme_not_its_name(fake_scheme):
 
 
 def test_docs_list_the_files_a_scheme_touches():
-    doc = (REPO / "docs" / "architecture-schemes.md").read_text()
+    doc = (REPO / "docs" / "architecture.md").read_text()  # architecture-schemes.md merged into it
     for path in ("nnef_kv/kv/schemes.py", "nnef_kv/kv/kivi.py", "nnef_kv/grammar/nnef_kv_ops.nnef",
                  "nnef_kv/converters/frontends/"):
         assert path in doc
