@@ -44,7 +44,7 @@ class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit code 2)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {clip(' '.join(message.split()), 300)}\n")
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {clip(' '.join(message.split()), 240)}\n")
 
 
 # ----------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from ..atomic import atomic_write
-from ..errors import GraphError, InputError, NnefKvError, StateError
+from ..errors import GraphError, InputError, NnefKvError, StateError, clip
 from ..grammar import ast as A
 from .graph import Node
 from .graph import slots_of as _slots_of
@@ -346,7 +346,7 @@ class Session:
                     if fh is not None:
                         files[m.name] = fh.read()
         except (OSError, tarfile.TarError) as exc:
-            raise StateError(f"{path}: not a saved session state: {exc}") from None
+            raise StateError(f"{path}: not a saved session state: {clip(' '.join(str(exc).split()), 120)}") from None
         if STATE_MANIFEST not in files:
             raise StateError(f"{path}: no {STATE_MANIFEST} (not a saved session state)")
         try:
