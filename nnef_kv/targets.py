@@ -103,7 +103,7 @@ def kind_of(path: str | os.PathLike) -> str:
     device"``, ``"block device"``, ``"socket"`` (links not followed)."""
     try:
         mode = os.lstat(path).st_mode
-    except FileNotFoundError:
+    except (FileNotFoundError, ValueError):  # ValueError: a NUL in the path, which cannot exist
         return "absent"
     except OSError as e:
         if e.errno in (_errno.ENOTDIR, _errno.ENAMETOOLONG, _errno.ELOOP):
@@ -130,9 +130,10 @@ def resolve(path: str | os.PathLike) -> Path:
 
 
 def _given(path: str | os.PathLike) -> str:
-    if isinstance(path, bytes):
-        return os.fsdecode(path)
-    return os.fspath(path)
+    given = os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path)
+    if "\0" in given:
+        raise OutputError(f"{given[:80]!r}: a path cannot hold a NUL character; nothing written")
+    return given
 
 
 def _std_stream(real: Path) -> str | None:

@@ -59,7 +59,7 @@ def _link_kept(link: str, target: str) -> Callable[[World, str, str], None]:
 
 INSPECT = [
     C("missing", "inspect {in}/absent.tgz", 2, "absent.tgz: no such file", "a path that does not exist"),
-    C("junk", "inspect {in}/junk.tgz", 2, "junk.tgz: not a tar archive", "text named .tgz"),
+    C("junk", "inspect {in}/junk.tgz", 2, "junk.tgz: not an NNEF model archive: a text file", "text named .tgz"),
     C("empty", "inspect {in}/empty", 2, "empty: not an NNEF model archive: an empty file", "an empty file"),
     C("onnx", "inspect {in}/m.onnx", 2, "m.onnx: an .onnx file; inspect reads NNEF models", "an .onnx file"),
     C("dat", "inspect {in}/w.dat", 2, "w.dat: not an NNEF model archive: an NNEF tensor file (.dat)", "a .dat file"),
@@ -229,7 +229,7 @@ VALIDATE = [
     C("undefined", "validate {in}/undef --ids {in}/ids.txt", 2, "undef/graph.nnef:4:12: undefined identifier 'zz'",
       "a graph using an undefined identifier"),
     C("junk-reference", "validate {in}/f32.nnef.tar --reference {in}/junk.tgz --ids {in}/ids.txt", 2,
-      "junk.tgz: not a tar archive", "--reference junk"),
+      "junk.tgz: not an NNEF model archive: a text file", "--reference junk"),
 ]
 
 DEMO = [

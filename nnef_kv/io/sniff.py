@@ -56,4 +56,12 @@ def describe_file(path: str | os.PathLike) -> str | None:
                 f"{os.fspath(p.parent) or '.'}")
     if text[:1] in (b"{", b"["):
         return "a JSON file, not an NNEF model"
+    import codecs
+
+    try:  # a character cut at the end of the head is not an error
+        decoded = codecs.getincrementaldecoder("utf-8")().decode(head, final=False)
+    except UnicodeDecodeError:
+        return None
+    if decoded and all(c.isprintable() or c in "\n\r\t" for c in decoded[:256]):
+        return "a text file, not an NNEF model (a model is a folder, .tar or .tgz file)"
     return None
