@@ -297,11 +297,11 @@ def cmd_demo(args: argparse.Namespace) -> int:
 def _demo_size(cfg: Any) -> None:
     """Refuse a demo decoder whose weights would be over the limits (before it is built)."""
     lim = current_limits()
-    mats = {"--vocab x --hidden": cfg.vocab * cfg.hidden, "--hidden x --mlp": cfg.hidden * cfg.mlp,
-            "--heads x --head-dim x --hidden": cfg.heads * cfg.head_dim * cfg.hidden}
+    emb, mlp, att = cfg.vocab * cfg.hidden, cfg.hidden * cfg.mlp, cfg.heads * cfg.head_dim * cfg.hidden
+    mats = {f"--vocab {cfg.vocab} x --hidden {cfg.hidden}": emb, f"--hidden {cfg.hidden} x --mlp {cfg.mlp}": mlp,
+            f"--heads {cfg.heads} x --head-dim {cfg.head_dim} x --hidden {cfg.hidden}": att}
     name, biggest = max(mats.items(), key=lambda kv: kv[1])
-    total = 4 * (2 * mats["--vocab x --hidden"] + cfg.layers * (3 * mats["--hidden x --mlp"]
-                                                                 + 4 * mats["--heads x --head-dim x --hidden"]))
+    total = 4 * (2 * emb + cfg.layers * (3 * mlp + 4 * att))
     if 4 * biggest > lim.max_tensor_bytes:
         raise CliError(f"{name}: one weight of the demo decoder would take {4 * biggest} bytes, over "
                        f"max_tensor_bytes={lim.max_tensor_bytes}")

@@ -114,6 +114,9 @@ def describe(value: Any) -> str:
         return f"{t} ({memoryview(value).nbytes:,} bytes)"
     if isinstance(value, (list, tuple, set, frozenset, dict)):
         return f"{t} of {len(value)} items"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if isinstance(shape, tuple) and dtype is not None:
+        return f"{t} {clip(dtype, 20)} {list(shape)}"
     name = getattr(value, "name", None)
     if hasattr(value, "read") or hasattr(value, "write"):
         return f"a file object ({t}{' ' + clip(repr(name), 80) if name is not None else ''})"

@@ -250,5 +250,5 @@ def path_arg(value: object, func: str, what: str = "a path") -> str:
         if "\0" in got:
             raise ArgumentError(f"{func}: a path cannot hold a NUL character: {got[:80]!r}")
         return got
-    hint = "; pass its path (f.name)" if hasattr(value, "read") or hasattr(value, "write") else ""
+    hint = "; pass its path (f.name)" if isinstance(getattr(value, "name", None), str) else ""
     raise ArgumentError(f"{func}: expected {what} (str, bytes or os.PathLike), got {describe(value)}{hint}")

@@ -105,9 +105,11 @@ CONVERT = [
       "-o the input itself"),
     C("input-via-link", "convert {in}/link_f32.tar -o {in}/f32.nnef.tar", 2, "would overwrite the input",
       "-o the input, read through a link"),
-    C("model-folder", "convert {in}/f32.nnef.tar -o {out}/model", 0, "-> ", "-o an existing model folder",
+    C("model-folder", "convert {in}/f32.nnef.tar -o {out}/model", 0, "converted 1 attention block(s) of",
+      "-o an existing model folder",
       changed=("model", "model/graph.nnef")),
-    C("through-link", "convert {in}/f32.nnef.tar -o {out}/link_file.tgz", 0, "-> ", "-o a link to a regular file",
+    C("through-link", "convert {in}/f32.nnef.tar -o {out}/link_file.tgz", 0, "converted 1 attention block(s) of",
+      "-o a link to a regular file",
       changed=("existing.tgz",), check=_link_kept("link_file.tgz", "existing.tgz")),
     C("tract-bits-4", "convert {in}/f32.nnef.tar -o {out}/t.tgz --scheme tract --bits 4", 2,
       "option bits=4: scheme tract stores 8-bit codes", "--scheme tract --bits 4"),
@@ -239,7 +241,7 @@ DEMO = [
       "--save-dir a FIFO"),
     C("bits-9", "demo --bits 4,9", 2, "--bits 9: scheme kivi takes 1..8 bits", "--bits 9"),
     C("vocab-small", "demo --vocab 128", 2, "--vocab 128: must be an integer >= 256", "--vocab 128"),
-    C("vocab-huge", "demo --vocab 99999999999", 2, "--vocab x --hidden: one weight of the demo decoder would take "
+    C("vocab-huge", "demo --vocab 99999999999", 2, "--vocab 99999999999 x --hidden 64: one weight of the demo decoder would take "
       "25599999999744 bytes, over max_tensor_bytes", "--vocab 10^11"),
     C("layers-huge", "demo --layers 1000000", 2, "--layers 1000000: the demo decoder's weights would take about",
       "--layers 10^6"),

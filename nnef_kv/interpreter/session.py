@@ -345,7 +345,9 @@ class Session:
                     fh = tar.extractfile(m)
                     if fh is not None:
                         files[m.name] = fh.read()
-        except (OSError, tarfile.TarError) as exc:
+        except tarfile.TarError:
+            raise StateError(f"{path}: not a saved session state (not a tar archive)") from None
+        except OSError as exc:
             raise StateError(f"{path}: not a saved session state: {clip(' '.join(str(exc).split()), 120)}") from None
         if STATE_MANIFEST not in files:
             raise StateError(f"{path}: no {STATE_MANIFEST} (not a saved session state)")

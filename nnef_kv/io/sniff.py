@@ -49,13 +49,13 @@ def describe_file(path: str | os.PathLike) -> str | None:
     if head[:4] in (b"PK\x03\x04", b"PK\x05\x06"):
         return _zip_kind(p)
     if head[:4] == b"GGUF":
-        return "a GGUF file (llama.cpp weights), not an NNEF model"
+        return "a GGUF file (llama.cpp weights)"
     text = head.lstrip()
     if text.startswith(b"version") or text.startswith(b"graph") or text.startswith(b"extension"):
         return (f"NNEF text; a model is the folder holding graph.nnef and its .dat files: give "
                 f"{os.fspath(p.parent) or '.'}")
     if text[:1] in (b"{", b"["):
-        return "a JSON file, not an NNEF model"
+        return "a JSON file (a model is a folder, .tar or .tgz file)"
     import codecs
 
     try:  # a character cut at the end of the head is not an error
@@ -63,5 +63,5 @@ def describe_file(path: str | os.PathLike) -> str | None:
     except UnicodeDecodeError:
         return None
     if decoded and all(c.isprintable() or c in "\n\r\t" for c in decoded[:256]):
-        return "a text file, not an NNEF model (a model is a folder, .tar or .tgz file)"
+        return "a text file (a model is a folder, .tar or .tgz file)"
     return None
