@@ -241,8 +241,8 @@ DEMO = [
       "--save-dir a FIFO"),
     C("bits-9", "demo --bits 4,9", 2, "--bits 9: scheme kivi takes 1..8 bits", "--bits 9"),
     C("vocab-small", "demo --vocab 128", 2, "--vocab 128: must be an integer >= 256", "--vocab 128"),
-    C("vocab-huge", "demo --vocab 99999999999", 2, "--vocab 99999999999 x --hidden 64: one weight of the demo decoder would take "
-      "25599999999744 bytes, over max_tensor_bytes", "--vocab 10^11"),
+    C("vocab-huge", "demo --vocab 99999999999", 2, "--vocab 99999999999 x --hidden 64: one weight of the demo decoder "
+      "would take 25599999999744 bytes, over max_tensor_bytes", "--vocab 10^11"),
     C("layers-huge", "demo --layers 1000000", 2, "--layers 1000000: the demo decoder's weights would take about",
       "--layers 10^6"),
     C("hidden-huge", "demo --hidden 99999999999999999999999", 2, "--hidden 99999999999999999999999: too large",
@@ -591,3 +591,13 @@ def test_every_option_has_help_and_shows_its_default() -> None:
                           ("--value-group", "32 (kivi)")):
         after = conv.split(f"{flag} N ", 1)[1]
         assert after.split(" --", 1)[0].endswith(f"default {default}"), (flag, after[:300])
+
+
+def test_the_readme_table_has_a_row_per_case() -> None:
+    """README.md's table comes from these cases (``python fuzz/cli_table.py``): a case added here shows there."""
+    from conftest import REPO
+
+    readme = (REPO / "README.md").read_text()
+    for table, cases in TABLES.items():
+        for c in cases:
+            assert f"| {table} | {(c.what or c.id).replace('`', chr(39))} |" in readme, (table, c.id)
