@@ -123,7 +123,7 @@ def test_one_check_per_scheme_for_every_entry_point(scheme, values, message, tmp
 
 
 @pytest.mark.parametrize("values", [dict(bits=9), dict(bits=0), dict(key_group=0), dict(value_group=-4),
-                                    dict(residual=-1), dict(sinks=-2)])
+                                    dict(residual=-1), dict(sinks=-2), dict(sinks=10 ** 20), dict(residual=2 ** 63)])
 def test_kivi_op_and_convert_refuse_in_the_same_words(values, tmp_path):
     """The op's constructor (attributes read from an archive) keeps its GraphError, with convert's words."""
     with pytest.raises(ConversionError) as conv:
@@ -271,3 +271,17 @@ def test_docs_list_the_files_a_scheme_touches():
                  "nnef_kv/converters/frontends/"):
         assert path in doc
         assert (REPO / path).exists(), path
+
+
+def test_huge_windows_allocate_nothing_up_front():
+    """Settings the op holds but no sequence reaches (sinks / residual of 10^15: never quantized) cost memory for
+    the tokens held only: the op used to reserve all of them at its first call (ValueError: Maximum allowed
+    dimension exceeded, for the archive convert --sinks 10^20 used to write)."""
+    rng = np.random.default_rng(0)
+    for kw in (dict(sinks=10 ** 15), dict(residual=10 ** 15), dict(key_group=10 ** 15)):
+        op = KiviSdpa(scale=0.25, bits=4, **kw)
+        for _ in range(3):
+            q, k, v = (rng.standard_normal((1, 2, 4, 16)).astype(np.float32) for _ in range(3))
+            out = op(q, k, v)
+        assert np.isfinite(out).all() and op.nbytes()["codes"] == 0, kw
+        assert sum(op.nbytes().values()) < 1 << 20, (kw, op.nbytes())
