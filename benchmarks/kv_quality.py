@@ -13,7 +13,13 @@ tract's fused op is not causal there). Data:
 
 Ops: the KIVI op (key_group 32, value_group 32, residual 32, f16 params) at 8/4/3/2 bits and its
 options (f32 params, clip, rotate), tract's fused ``quantized_kv_sdpa`` and tract's
-``quantized_dyn_kv_cache`` (8 and 4 bits, K per channel, V per token) followed by exact attention.
+``quantized_dyn_kv_cache`` (8 and 4 bits, K per channel, V per token) followed by exact attention;
+and (issue 15) llama.cpp's cache types (``nnef_kv_ggml_sdpa``: q8_0, q5_1, q5_0, q4_1, q4_0, K and V
+apart), Hugging Face's ``QuantizedCache`` (``nnef_kv_hf_quantized_sdpa``, quanto 4 and 2 bits with HF's
+defaults: q_group_size 64, residual_length 128; and HQQ 4-bit), the KIVI variants (keys and values of
+their own widths, per-token keys, no window). Each row also gives its **all-in bits per value**: every
+byte the op holds at the end of the decode (codes, params, full-precision window and side tables,
+allocated capacity included) x 8 / the values cached -- compare rows at equal all-in bits.
 
 Run: ``python benchmarks/kv_quality.py`` (about a minute; ``--quick`` for the MiniLM half only);
 ``python benchmarks/kv_quality.py --ideas`` runs a fake-quantization study of options the op does
@@ -31,7 +37,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nnef_kv.kv import KiviSdpa, TractQuantizedDynKvCache, TractQuantizedKvSdpa, softmax_attention  # noqa: E402
+from nnef_kv.kv import (GgmlSdpa, HfQuantizedSdpa, KiviSdpa, TractQuantizedDynKvCache,  # noqa: E402
+                        TractQuantizedKvSdpa, softmax_attention)
 
 ACTIVATIONS = ROOT.parent / "shared" / "fixtures" / "activations" / "minilm_qkv_apache2_128tok.npz"
 PROMPT = 32
@@ -68,9 +75,20 @@ class DynCacheAttention:
         mask = np.arange(t)[None, :] <= (t - s + np.arange(s))[:, None]
         return softmax_attention(q, kf, vf, self.scale, mask)
 
+    def nbytes(self) -> dict:
+        a, b = self.k.nbytes(), self.v.nbytes()
+        return {k: a.get(k, 0) + b.get(k, 0) for k in ("codes", "params", "full_precision")}
 
-def deviation(make_op, datasets) -> float:
+
+def held_bytes(op) -> int:
+    nb = op.nbytes()
+    return int(nb.get("codes", 0) + nb.get("params", 0) + nb.get("full_precision", 0))
+
+
+def deviation(make_op, datasets, bits_out: list | None = None) -> float:
+    """The aggregate deviation; ``bits_out`` gets the all-in bits per value held at the end."""
     num = den = 0.0
+    held = values = 0
     for q, k, v, scale in datasets:
         op = make_op(scale)
         t = k.shape[2]
@@ -82,11 +100,40 @@ def deviation(make_op, datasets) -> float:
             ref = softmax_attention(q[:, :, t0:t1], k[:, :, :t1], v[:, :, :t1], scale, mask)
             num += float(np.sum((out.astype(np.float64) - ref) ** 2))
             den += float(np.sum(ref.astype(np.float64) ** 2))
+        held += held_bytes(op)
+        values += 2 * k.size
+    if bits_out is not None:
+        bits_out.append(8.0 * held / values)
     return float(np.sqrt(num / den))
 
 
 def kivi(bits: int, **opts):
-    return lambda scale: KiviSdpa(scale=scale, bits=bits, key_group=32, value_group=32, residual=32, **opts)
+    kw = dict(key_group=32, value_group=32, residual=32)
+    kw.update(opts)
+    return lambda scale: KiviSdpa(scale=scale, bits=bits, **kw)
+
+
+def ggml(kt: str, vt: str | None = None, **opts):
+    return lambda scale: GgmlSdpa(scale=scale, key_type=kt, value_type=vt or kt, **opts)
+
+
+def hf(bits: int, **opts):
+    return lambda scale: HfQuantizedSdpa(scale=scale, bits=bits, **opts)
+
+
+def issue15_variants():
+    """The schemes of issue 15 (llama.cpp's, HF's, the KIVI variants)."""
+    rows = [(f"ggml {t}", ggml(t)) for t in ("q8_0", "q5_1", "q5_0", "q4_1", "q4_0")]
+    rows += [("ggml q4_0 keys / q8_0 values", ggml("q4_0", "q8_0")),
+             ("ggml q8_0 keys / q4_0 values", ggml("q8_0", "q4_0")),
+             ("ggml q4_0, residual 32 (nnef-kv's window)", ggml("q4_0", residual=32))]
+    rows += [("hf quanto 4-bit (HF defaults)", hf(4)), ("hf quanto 2-bit (HF defaults)", hf(2)),
+             ("hf hqq 4-bit (axis 1, group 64)", hf(4, backend="hqq", axis_key=1, axis_value=1))]
+    rows += [("kivi 4-bit, residual 0", kivi(4, residual=0)), ("kivi 8/4 (keys/values)", kivi(8, value_bits=4)),
+             ("kivi 4/2 (keys/values)", kivi(4, value_bits=2)), ("kivi 2/4 (keys/values)", kivi(2, value_bits=4)),
+             ("kivi 4-bit per-token keys", kivi(4, key_axis="token")),
+             ("kivi 2-bit per-token keys", kivi(2, key_axis="token"))]
+    return rows
 
 
 def variants(bits_list=(8, 4, 3, 2)):
@@ -103,7 +150,7 @@ def variants(bits_list=(8, 4, 3, 2)):
     rows.append(("tract quantized_kv_sdpa (u8)", lambda scale: TractQuantizedKvSdpa(scale=scale)))
     rows.append(("tract quantized_dyn_kv_cache 8-bit", lambda scale: DynCacheAttention(8, scale)))
     rows.append(("tract quantized_dyn_kv_cache 4-bit", lambda scale: DynCacheAttention(4, scale)))
-    return rows
+    return rows + issue15_variants()
 
 
 def tract_gaussian() -> dict:
@@ -134,6 +181,8 @@ def tract_gaussian() -> dict:
 def main(argv=None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="MiniLM activations only")
+    ap.add_argument("--issue15", action="store_true", help="the issue-15 schemes and the KIVI/tract rows they are "
+                                                           "compared with only")
     args = ap.parse_args(argv)
     sets = {}
     if ACTIVATIONS.exists():
@@ -144,14 +193,26 @@ def main(argv=None) -> dict:
         sets["gaussian"] = gaussian_data()
     results: dict = {}
     names = list(sets)
-    print(f"{'op':38s}" + "".join(f"{n:>12s}" for n in names) + "   seconds")
-    for label, make in variants():
+    print(f"{'op':44s}" + "".join(f"{n:>12s}{'bits':>7s}" for n in names) + "   seconds")
+    rows = variants()
+    if args.issue15:
+        keep = {"kivi 8-bit", "kivi 4-bit", "kivi 2-bit", "tract quantized_dyn_kv_cache 8-bit",
+                "tract quantized_dyn_kv_cache 4-bit"}
+        rows = [r for r in rows if r[0] in keep] + issue15_variants()
+    for label, make in rows:
         t = time.perf_counter()
-        row = {n: deviation(make, sets[n]) for n in names}
-        results[label] = row
-        print(f"{label:38s}" + "".join(f"{100 * row[n]:11.3f}%" for n in names) + f"   {time.perf_counter() - t:6.1f}")
+        bits: dict = {}
+        row = {}
+        for n in names:
+            got: list = []
+            row[n] = deviation(make, sets[n], got)
+            bits[n] = got[0]
+        results[label] = {**row, **{f"{n} bits": bits[n] for n in names}}
+        print(f"{label:44s}" + "".join(f"{100 * row[n]:11.3f}%{bits[n]:7.2f}" for n in names)
+              + f"   {time.perf_counter() - t:6.1f}", flush=True)
     if not args.quick:
-        print("tract quantized_kv_sdpa vs exact attention, Gaussian K/V, D=16, 2 heads, after 5/10/20/40 steps, 3 seeds:")
+        print("tract quantized_kv_sdpa vs exact attention, Gaussian K/V, D=16, 2 heads, after 5/10/20/40 steps, "
+              "3 seeds:")
         for label, (lo, hi) in tract_gaussian().items():
             print(f"  {label:22s} {100 * lo:6.1f}% .. {100 * hi:6.1f}%")
     return results

@@ -1,6 +1,6 @@
 """The ``nnef-kv`` command line (also ``python -m nnef_kv``).
 
-Commands: ``inspect``, ``convert``, ``run``, ``generate``, ``validate``, ``demo`` (``nnef-kv COMMAND -h``).
+Commands: ``inspect``, ``convert``, ``run``, ``generate``, ``validate``, ``demo``, ``compare`` (``nnef-kv COMMAND -h``).
 
 Errors are one readable line on stderr and exit code 2 (no traceback unless ``--debug``, accepted
 anywhere on the line). Option values are checked before any work, so a refused command writes nothing.
@@ -327,6 +327,7 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_compare import add_commands
     from .converters.options import add_arguments as add_convert_arguments
 
     p = _Parser(prog="nnef-kv", description="NNEF archives with a quantized KV cache.")
@@ -426,6 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="how the f32 model holds its cache")
     sp.add_argument("--report-dir", help="write one validation report per model into this folder")
     sp.add_argument("--save-dir", help="keep the f32 and converted archives in this folder")
+    add_commands(sub, COMMANDS)  # compare, convert --auto-bits (nnef_kv/cli_compare.py)
     return p
 
 

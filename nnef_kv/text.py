@@ -100,8 +100,9 @@ def read_text(path: str | os.PathLike, what: str = "--text") -> str:
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise InputError(f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
-                         f"{exc.start})") from None
+        raise InputError(
+            f"{what} {path}: not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})"
+        ) from None
     if not text.strip():
         raise InputError(f"{what} {path}: the text is empty")
     return text
@@ -242,8 +243,9 @@ def byte_level_tokenizer() -> Any:
 
 def _gpt2_byte_order() -> list[str]:
     """The characters GPT-2's byte-level alphabet gives bytes 0..255, in its vocabulary order."""
-    first = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-             + list(range(ord("®"), ord("ÿ") + 1)))
+    first = (
+        list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    )
     chars = {b: chr(b) for b in first}
     n = 0
     for b in range(256):

@@ -18,8 +18,12 @@ HAVE_TRACT = tract_driver.available()
 HAVE_KHRONOS_NNEF = importlib.util.find_spec("nnef") is not None
 
 requires_shared = pytest.mark.skipif(not SHARED.is_dir(), reason=f"shared material not found at {SHARED}")
-requires_tract = pytest.mark.skipif(not HAVE_TRACT, reason="the tract Python package is not installed (pip install -e '.[dev]')")
-requires_khronos = pytest.mark.skipif(not HAVE_KHRONOS_NNEF, reason="the Khronos nnef package is not installed (pip install -e '.[dev]')")
+requires_tract = pytest.mark.skipif(
+    not HAVE_TRACT, reason="the tract Python package is not installed (pip install -e '.[dev]')"
+)
+requires_khronos = pytest.mark.skipif(
+    not HAVE_KHRONOS_NNEF, reason="the Khronos nnef package is not installed (pip install -e '.[dev]')"
+)
 
 
 @pytest.fixture(scope="session")

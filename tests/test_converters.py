@@ -86,9 +86,11 @@ def test_attention_without_cache_refused():
 
 
 def test_head_mapping_other_than_repeat_interleave_refused():
-    text = attention_graph(repeat="okr = tile(ok, repeats = [1, 2, 1, 1]);\n  ovr = tile(ov, repeats = [1, 2, 1, 1]);",
-                           qk="xq = tile(x, repeats = [1, 2, 1, 1]);\n  s = matmul(xq, okr, transposeB = true);",
-                           vname="ovr")
+    text = attention_graph(
+        repeat="okr = tile(ok, repeats = [1, 2, 1, 1]);\n  ovr = tile(ov, repeats = [1, 2, 1, 1]);",
+        qk="xq = tile(x, repeats = [1, 2, 1, 1]);\n  s = matmul(xq, okr, transposeB = true);",
+        vname="ovr",
+    )
     with pytest.raises(ConversionError, match="only the grouped-query repeat"):
         convert(Model.from_text(text))
 
@@ -98,13 +100,18 @@ def test_cache_on_other_axis_refused():
         convert(Model.from_text(attention_graph(concat_axis=1)))
 
 
-@pytest.mark.parametrize("variant", [
-    dict(),  # transposeB, div scale, no mask
-    dict(qk="kt = transpose(ok, axes = [0, 1, 3, 2]);\n  s = matmul(x, kt);", scale="ss = mul(s, 0.5);"),
-    dict(repeat="u = unsqueeze(ok, axes = [2]);\n  t = tile(u, repeats = [1, 1, 1, 1, 1]);\n"
-                "  okr = reshape(t, shape = [1, 2, -1, 4]);",
-         qk="s = matmul(x, okr, transposeB = true);"),
-])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        dict(),  # transposeB, div scale, no mask
+        dict(qk="kt = transpose(ok, axes = [0, 1, 3, 2]);\n  s = matmul(x, kt);", scale="ss = mul(s, 0.5);"),
+        dict(
+            repeat="u = unsqueeze(ok, axes = [2]);\n  t = tile(u, repeats = [1, 1, 1, 1, 1]);\n"
+                   "  okr = reshape(t, shape = [1, 2, -1, 4]);",
+            qk="s = matmul(x, okr, transposeB = true);",
+        ),
+    ],
+)
 def test_explicit_cache_pass_kivi_is_exact_without_quantization(variant):
     original = Model.from_text(attention_graph(**variant))
     before = original.document
@@ -265,8 +272,11 @@ def test_unrecognisable_attention_names_the_node_and_the_form(tmp_path, capsys):
                                               r"softcapping or an additive mask"):
         convert(Model.from_text(text))
     text = attention_graph(scale="t = mul(s, x);\n  ss = add(t, 1.0);")
-    with pytest.raises(ConversionError, match=r"stopped at node 't' \(mul\): expected .*a mul by a tensor that is "
-                                              r"not a scalar constant"):
+    with pytest.raises(
+        ConversionError,
+        match=r"stopped at node 't' \(mul\): expected .*a mul by a tensor that is not a "
+        r"scalar constant",
+    ):
         convert(Model.from_text(text))
     from nnef_kv.cli import main
 

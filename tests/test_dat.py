@@ -32,7 +32,9 @@ SPEC_DTYPES = [np.float16, np.float32, np.float64, np.int8, np.int16, np.int32, 
 
 def _header(*, magic=b"\x4e\xef", version=(1, 0), length=0, shape=(), bits=32, code=0, vendor=0) -> bytes:
     extents = list(shape) + [0] * (8 - len(shape))
-    return struct.pack("<2sBBII8III", magic, *version, length, len(shape), *extents, bits, (vendor << 16) | code) + bytes(76)
+    return struct.pack(
+        "<2sBBII8III", magic, *version, length, len(shape), *extents, bits, (vendor << 16) | code
+    ) + bytes(76)
 
 
 def _shared_dat_files() -> list[tuple[str, bytes]]:
@@ -267,12 +269,34 @@ BAD = {
     "bits": (_header(length=3, shape=(2,), bits=12, code=1) + bytes(3), "unsupported"),
     "vendor": (_header(length=4, shape=(1,), vendor=0x1234) + bytes(4), "vendor"),
     "overflow": (_header(length=4, shape=(1 << 31,) * 3, bits=8, code=1) + bytes(4), "overflows"),
-    "utf8": (_header(shape=(1,), bits=0xFFFFFFFF, code=0x1000, vendor=TRACT_VENDOR) + struct.pack("<I", 2) + b"\xff\xfe", "UTF-8"),
-    "string length": (_header(shape=(2,), bits=0xFFFFFFFF, code=0x1000, vendor=TRACT_VENDOR) + struct.pack("<I", 1) + b"a" + struct.pack("<I", 9) + b"abc", "past the end"),
-    "string count": (_header(shape=(1000,), bits=0xFFFFFFFF, code=0x1000, vendor=TRACT_VENDOR) + bytes(8), "cannot fit"),
-    "block quant rank": (_header(length=18, shape=(32,), bits=0xFFFFFFFF, code=0x3040, vendor=TRACT_VENDOR) + bytes(18), "rank 1"),
-    "block quant size": (_header(length=10, shape=(1, 32), bits=0xFFFFFFFF, code=0x3040, vendor=TRACT_VENDOR) + bytes(10), "data size"),
-    "block quant code": (_header(length=18, shape=(1, 32), bits=0xFFFFFFFF, code=0x3090, vendor=TRACT_VENDOR) + bytes(18), "unsupported"),
+    "utf8": (
+        _header(shape=(1,), bits=0xFFFFFFFF, code=0x1000, vendor=TRACT_VENDOR) + struct.pack("<I", 2) + b"\xff\xfe",
+        "UTF-8",
+    ),
+    "string length": (
+        _header(shape=(2,), bits=0xFFFFFFFF, code=0x1000, vendor=TRACT_VENDOR)
+        + struct.pack("<I", 1)
+        + b"a"
+        + struct.pack("<I", 9)
+        + b"abc",
+        "past the end",
+    ),
+    "string count": (
+        _header(shape=(1000,), bits=0xFFFFFFFF, code=0x1000, vendor=TRACT_VENDOR) + bytes(8),
+        "cannot fit",
+    ),
+    "block quant rank": (
+        _header(length=18, shape=(32,), bits=0xFFFFFFFF, code=0x3040, vendor=TRACT_VENDOR) + bytes(18),
+        "rank 1",
+    ),
+    "block quant size": (
+        _header(length=10, shape=(1, 32), bits=0xFFFFFFFF, code=0x3040, vendor=TRACT_VENDOR) + bytes(10),
+        "data size",
+    ),
+    "block quant code": (
+        _header(length=18, shape=(1, 32), bits=0xFFFFFFFF, code=0x3090, vendor=TRACT_VENDOR) + bytes(18),
+        "unsupported",
+    ),
 }
 
 

@@ -142,7 +142,11 @@ def test_single_fragment_declaration() -> None:
     assert doc.version is None and doc.graph is None
     (f,) = doc.fragments
     assert f == A.FragmentDecl(
-        "relu", None, (A.Param("x", A.TensorType(A.PrimitiveType("scalar"))),), (A.Result("y", A.TensorType(A.PrimitiveType("scalar"))),), None
+        "relu",
+        None,
+        (A.Param("x", A.TensorType(A.PrimitiveType("scalar"))),),
+        (A.Result("y", A.TensorType(A.PrimitiveType("scalar"))),),
+        None,
     )
     assert f.pos == A.Pos(1, 1) and f.params[0].pos == A.Pos(1, 15)
 
@@ -150,11 +154,19 @@ def test_single_fragment_declaration() -> None:
 def test_generic_fragment_with_defaults() -> None:
     doc = parse(
         "fragment reshape<? = scalar>( input: tensor<?>, shape: integer[], axis_start: integer = 0, "
-        "axis_count: integer = -1, border: string = 'constant', p: (integer, integer)[] = [] ) -> ( output: tensor<?> );"
+        "axis_count: integer = -1, border: string = 'constant', p: (integer, integer)[] = [] ) "
+        "-> ( output: tensor<?> );"
     )
     f = doc.fragments[0]
     assert f.generic == A.GenericDecl(A.PrimitiveType("scalar"))
-    assert [p.default for p in f.params] == [None, None, A.IntegerLiteral(0), A.IntegerLiteral(-1), A.StringLiteral("constant"), A.ArrayExpr(())]
+    assert [p.default for p in f.params] == [
+        None,
+        None,
+        A.IntegerLiteral(0),
+        A.IntegerLiteral(-1),
+        A.StringLiteral("constant"),
+        A.ArrayExpr(()),
+    ]
     assert parse("fragment f<?>(a: tensor<?>) -> (b: tensor<?>);").fragments[0].generic == A.GenericDecl(None)
 
 
@@ -176,8 +188,15 @@ def test_graph_needs_version() -> None:
 
 
 def test_extension_forms() -> None:
-    doc = parse("version 1.0;\nextension tract_symbol 🎯0;\nextension tract_assert tg: S==1;\nextension i\"odd;name\" x;\ngraph g() -> () {}")
-    assert [(x.name, x.argument) for x in doc.extensions] == [("tract_symbol", "🎯0"), ("tract_assert", "tg: S==1"), ("odd;name", "x")]
+    doc = parse(
+        'version 1.0;\nextension tract_symbol 🎯0;\nextension tract_assert tg: S==1;\nextension i"odd;name" x;\n'
+        'graph g() -> () {}'
+    )
+    assert [(x.name, x.argument) for x in doc.extensions] == [
+        ("tract_symbol", "🎯0"),
+        ("tract_assert", "tg: S==1"),
+        ("odd;name", "x"),
+    ]
     assert doc.extensions[1].pos == A.Pos(3, 1)
 
 
@@ -187,7 +206,11 @@ def test_keywords_are_identifiers_where_tract_allows() -> None:
     assert doc.graph.body[1].rhs == A.Invocation(
         "fragment",
         None,
-        (A.Argument(None, A.Identifier("version")), A.Argument("if", A.Identifier("in")), A.Argument(None, A.Identifier("tensor"))),
+        (
+            A.Argument(None, A.Identifier("version")),
+            A.Argument("if", A.Identifier("in")),
+            A.Argument(None, A.Identifier("tensor")),
+        ),
     )
 
 
@@ -206,7 +229,13 @@ def test_literals() -> None:
 def test_true_false_inf_as_names_where_tract_reads_names() -> None:
     r = rhs("y = true(inf = 1, false = x, x = info);")
     assert r == A.Invocation(
-        "true", None, (A.Argument("inf", A.IntegerLiteral(1)), A.Argument("false", A.Identifier("x")), A.Argument("x", A.Identifier("info")))
+        "true",
+        None,
+        (
+            A.Argument("inf", A.IntegerLiteral(1)),
+            A.Argument("false", A.Identifier("x")),
+            A.Argument("x", A.Identifier("info")),
+        ),
     )
 
 
@@ -252,7 +281,8 @@ def test_strings_follow_tract_escapes_and_accept_other_quote() -> None:
 
 
 def test_positions() -> None:
-    text = "version 1.0;\n\ngraph g(x) -> (y)\n{\n  x = external<scalar>(shape = [1, 2]);\n  y = add(x,\n     -2.0 * x);\n}\n"
+    text = ("version 1.0;\n\ngraph g(x) -> (y)\n{\n  x = external<scalar>(shape = [1, 2]);\n  y = add(x,\n"
+            "     -2.0 * x);\n}\n")
     doc = parse(text)
     assert doc.graph is not None and doc.graph.pos == A.Pos(3, 1)
     a0, a1 = doc.graph.body
@@ -265,7 +295,8 @@ def test_positions() -> None:
 
 
 def test_crlf_comments_and_tabs() -> None:
-    text = "version 1.0; # v\r\ngraph g(x) -> (y) # h\r\n{\t# c { ; }\r\n\tx = external(shape = [1]);\t# after\r\n  y = copy(x)\r\n  ;\r\n}\r\n# end"
+    text = ("version 1.0; # v\r\ngraph g(x) -> (y) # h\r\n{\t# c { ; }\r\n\tx = external(shape = [1]);\t# after\r\n"
+            "  y = copy(x)\r\n  ;\r\n}\r\n# end")
     doc = parse(text)
     same(doc, parse(text, fast=False))
     assert doc.graph is not None and doc.graph.body[1].pos == A.Pos(5, 3)
@@ -306,7 +337,13 @@ def test_errors_are_nnef_syntax_errors_and_fast_matches_lark(text: str) -> None:
 
 
 def test_deep_nesting_fails_quickly() -> None:
-    for body in ["(" * 100_000 + "x" + ")" * 100_000, "-" * 100_000 + "x", "- " * 100_000 + "x", "[" * 100_000 + "]" * 100_000, "a" + "+a" * 20_000]:
+    for body in [
+        "(" * 100_000 + "x" + ")" * 100_000,
+        "-" * 100_000 + "x",
+        "- " * 100_000 + "x",
+        "[" * 100_000 + "]" * 100_000,
+        "a" + "+a" * 20_000,
+    ]:
         for fast in (True, False):
             t0 = time.perf_counter()
             e = err(graph_doc(f"y = {body};"), fast=fast)
@@ -369,7 +406,9 @@ def test_mutated_corpus_errors_fast_equals_lark() -> None:
 # ------------------------------------------------------------------------------------------------
 # fast path == Lark on generated statements
 # ------------------------------------------------------------------------------------------------
-_names = st.sampled_from(["x", "y1", "_t", "w_0", "true", "false", "inf", "info", "for", "if", "in", "scalar", "tensor", "graph"])
+_names = st.sampled_from(
+    ["x", "y1", "_t", "w_0", "true", "false", "inf", "info", "for", "if", "in", "scalar", "tensor", "graph"]
+)
 _nums = st.sampled_from(["0", "1", "-2", "12", "1.5", "-0.25", "2.", "1e3", "5E-1", "1.5e+2", "-inf", "007"])
 _strs = st.sampled_from(["'a'", '"b c"', "''", "'a#b'", r"'x\'y'", "\"it's\"", "'é'"])
 _ws = st.sampled_from(["", " ", "  ", "\t"])
@@ -391,7 +430,11 @@ def _value(draw: Any, depth: int = 0) -> str:
     if kind == 4:
         return _invocation(draw, depth + 1)
     if kind == 5:
-        return draw(_value(depth + 1)) + draw(st.sampled_from([" + ", "-", " * ", " < ", " == "])) + draw(_value(depth + 1))
+        return (
+            draw(_value(depth + 1))
+            + draw(st.sampled_from([" + ", "-", " * ", " < ", " == "]))
+            + draw(_value(depth + 1))
+        )
     return "(" + draw(_value(depth + 1)) + ")"
 
 

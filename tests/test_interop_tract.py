@@ -95,7 +95,10 @@ def test_archives_written_by_nnef_kv_run_identically_in_tract(tmp_path, case):
     if case in TRACT_WRITABLE:
         for src, dst in ((path, "t-orig.tar"), (tmp_path / "m.nnef.tar", "t-ours.tar")):
             loader.write_model_to_tar(loader.load(str(src)), str(tmp_path / dst))
-        dats = [sorted(v for k, v in _raw_members(tmp_path / d).items() if k.endswith(".dat")) for d in ("t-orig.tar", "t-ours.tar")]
+        dats = [
+            sorted(v for k, v in _raw_members(tmp_path / d).items() if k.endswith(".dat"))
+            for d in ("t-orig.tar", "t-ours.tar")
+        ]
         assert dats[0] == dats[1]
 
 

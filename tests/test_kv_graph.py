@@ -57,7 +57,9 @@ def test_kivi_graph_matches_plain_class_and_saves_state(tmp_path):
         np.testing.assert_array_equal(out, plain(x["q"], x["k"], x["v"]))
     nb = sess.kv_cache_bytes()
     ref = plain.nbytes()
-    assert nb["codes"] == ref["codes"] and nb["params"] == ref["params"] and nb["full_precision"] == ref["full_precision"]
+    assert (
+        nb["codes"] == ref["codes"] and nb["params"] == ref["params"] and nb["full_precision"] == ref["full_precision"]
+    )
     path = tmp_path / "state.tar"
     sess.save_state(path)
     restored = model.session(state=path)

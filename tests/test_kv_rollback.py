@@ -53,9 +53,15 @@ def assert_same_state(a: Any, b: Any) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(kind=st.sampled_from(sorted(FACTORIES)), seed=st.integers(0, 2 ** 16),
-       plan=st.lists(st.tuples(st.integers(1, 9) | st.integers(28, 40), st.sampled_from(["keep", "abort", "abort2"]), st.booleans()),
-                     min_size=1, max_size=10))
+@given(
+    kind=st.sampled_from(sorted(FACTORIES)),
+    seed=st.integers(0, 2**16),
+    plan=st.lists(
+        st.tuples(st.integers(1, 9) | st.integers(28, 40), st.sampled_from(["keep", "abort", "abort2"]), st.booleans()),
+        min_size=1,
+        max_size=10,
+    ),
+)
 def test_rollback_restores_exactly(kind: str, seed: int, plan: list[tuple[int, str, bool]]) -> None:
     rng = np.random.default_rng(seed)
     state, ref = FACTORIES[kind](), FACTORIES[kind]()

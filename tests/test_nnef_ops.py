@@ -89,7 +89,11 @@ case("deconv_stride_auto", "y = deconv(x, w, stride = [2, 2]);", x=IMG, w=_x(2, 
 case("deconv_groups_dilation", "y = deconv(x, w, groups = 2, dilation = [2, 1], padding = [(0, 0), (0, 0)]);", x=IMG,
      w=_x(6, 2, 2, 3))
 case("max_pool", "y = max_pool(x, size = [1, 1, 3, 3], stride = [1, 1, 2, 2], border = 'ignore');", x=IMG)
-case("max_pool_pad", "y = max_pool(x, size = [1, 1, 2, 2], padding = [(0, 0), (0, 0), (1, 1), (0, 1)], border = 'constant');", x=IMG)
+case(
+    "max_pool_pad",
+    "y = max_pool(x, size = [1, 1, 2, 2], padding = [(0, 0), (0, 0), (1, 1), (0, 1)], border = 'constant');",
+    x=IMG,
+)
 case("avg_pool_ignore", "y = avg_pool(x, size = [1, 1, 3, 3], border = 'ignore');", x=IMG)
 case("avg_pool_constant", "y = avg_pool(x, size = [1, 1, 3, 3], border = 'constant');", x=IMG)
 case("box", "y = box(x, size = [1, 1, 2, 2], stride = [1, 1, 2, 2]);", x=IMG)
@@ -98,9 +102,17 @@ case("batch_normalization", "y = batch_normalization(x, m, v, o, s, epsilon = 0.
      m=_x(1, 4), v=_x(1, 4, lo=0.5, hi=2.0), o=_x(1, 4), s=_x(1, 4))
 case("l2_normalization", "y = l2_normalization(x, axes = [1], epsilon = 0.00001);", x=IMG)
 case("l1_normalization", "y = l1_normalization(x, axes = [1, 2], bias = 0.5);", x=IMG)
-case("local_response_normalization", "y = local_response_normalization(x, size = [1, 3, 1, 1], alpha = 0.5, beta = 0.75, bias = 2.0);", x=IMG)
+case(
+    "local_response_normalization",
+    "y = local_response_normalization(x, size = [1, 3, 1, 1], alpha = 0.5, beta = 0.75, bias = 2.0);",
+    x=IMG,
+)
 case("local_mean_normalization", "y = local_mean_normalization(x, size = [1, 1, 3, 3]);", x=IMG)
-case("local_variance_normalization", "y = local_variance_normalization(x, size = [1, 1, 3, 3], bias = 1.0, epsilon = 0.001);", x=IMG)
+case(
+    "local_variance_normalization",
+    "y = local_variance_normalization(x, size = [1, 1, 3, 3], bias = 1.0, epsilon = 0.001);",
+    x=IMG,
+)
 case("moments", "m, v = moments(x, axes = [2]);\n  y = add(m, v);", x=X)
 case("rms_pool", "y = rms_pool(x, size = [1, 1, 2, 2]);", x=IMG)
 case("literal_constant", "c = [[1.0, 2.0, 3.0, 4.0]];\n  y = add(x, c);", x=_x(3, 4))

@@ -175,8 +175,9 @@ def writer_report(which: str) -> tuple[Callable[[Path], Any], Callable[[Path], A
         pytest.skip(f"nnef_kv.validate.write_report is not there yet ({e})")
     new = ValidationReport(archive="new.nnef.tgz", reference=None, options=ValidateOptions(eval_tokens=8),
                            notes=["new " * 500])
-    old = ValidationReport(archive="old.nnef.tgz", reference=None, options=ValidateOptions(eval_tokens=4),
-                           notes=["old"])
+    old = ValidationReport(
+        archive="old.nnef.tgz", reference=None, options=ValidateOptions(eval_tokens=4), notes=["old"]
+    )
     # the report is a folder of three files; the target checked is one of them
     return (lambda t: write_report(new, t.parent)), (lambda t: write_report(old, t.parent)), which
 

@@ -104,12 +104,20 @@ def test_expressions_are_parenthesised() -> None:
 
 def test_quant_identifier_values_round_trip() -> None:
     q = parse_quant('"x": op(a = falseinf, b = i"true", c = true, d = info);')
-    assert [a.value for a in q.entries[0].args] == [A.Identifier("falseinf"), A.Identifier("true"), A.LogicalLiteral(True), A.Identifier("info")]
+    assert [a.value for a in q.entries[0].args] == [
+        A.Identifier("falseinf"),
+        A.Identifier("true"),
+        A.LogicalLiteral(True),
+        A.Identifier("info"),
+    ]
     assert parse_quant(dump_quant(q)) == q
 
 
 def test_quant_printer() -> None:
-    q = parse_quant("'a.b': zero_point_linear_quantize(zero_point = 0, scale = 0.5, bits = 8, signed = false,)\n;\n# c\n\"x\": linear_quantize(min = -1.0 max = 1.0, bits = 8);")
+    q = parse_quant(
+        "'a.b': zero_point_linear_quantize(zero_point = 0, scale = 0.5, bits = 8, signed = false,)\n;\n# c\n"
+        "\"x\": linear_quantize(min = -1.0 max = 1.0, bits = 8);"
+    )
     assert dump_quant(q) == (
         'i"a.b": zero_point_linear_quantize(zero_point = 0, scale = 0.5, bits = 8, signed = false);\n'
         '"x": linear_quantize(min = -1.0, max = 1.0, bits = 8);\n'
@@ -140,14 +148,21 @@ def _exprs() -> st.SearchStrategy:
             st.lists(inner, max_size=3).map(lambda xs: A.ArrayExpr(tuple(xs))),
             st.lists(inner, min_size=2, max_size=3).map(lambda xs: A.TupleExpr(tuple(xs))),
             st.builds(A.UnaryExpr, st.sampled_from(["-", "+", "!"]), inner),
-            st.builds(A.BinaryExpr, st.sampled_from(["+", "-", "*", "/", "^", "<", "<=", ">", ">=", "==", "!=", "&&", "||", "in"]), inner, inner),
+            st.builds(
+                A.BinaryExpr,
+                st.sampled_from(["+", "-", "*", "/", "^", "<", "<=", ">", ">=", "==", "!=", "&&", "||", "in"]),
+                inner,
+                inner,
+            ),
             st.builds(A.IfElseExpr, inner, inner, inner),
             st.builds(A.Subscript, inner, inner),
             st.builds(A.SliceExpr, inner, st.one_of(st.none(), inner), st.one_of(st.none(), inner)),
             st.builds(A.Invocation, _name, st.one_of(st.none(), _prim), args),
             st.builds(
                 A.Comprehension,
-                st.lists(st.builds(A.ComprehensionIterator, _name.map(A.Identifier), inner), min_size=1, max_size=2).map(tuple),
+                st.lists(
+                    st.builds(A.ComprehensionIterator, _name.map(A.Identifier), inner), min_size=1, max_size=2
+                ).map(tuple),
                 st.one_of(st.none(), inner),
                 inner,
             ),
@@ -160,7 +175,9 @@ def _types() -> st.SearchStrategy:
     base = st.one_of(_prim, st.one_of(st.none(), _prim).map(A.TensorType))
     return st.recursive(
         base,
-        lambda inner: st.one_of(inner.map(A.ArrayType), st.lists(inner, max_size=3).map(lambda xs: A.TupleType(tuple(xs)))),
+        lambda inner: st.one_of(
+            inner.map(A.ArrayType), st.lists(inner, max_size=3).map(lambda xs: A.TupleType(tuple(xs)))
+        ),
         max_leaves=4,
     )
 
@@ -197,7 +214,13 @@ _docs = st.builds(
     st.lists(_fragments, max_size=2).map(tuple),
     st.one_of(
         st.none(),
-        st.builds(A.GraphDecl, _name, st.lists(_name, max_size=2).map(tuple), st.lists(_name, max_size=2).map(tuple), _assignments),
+        st.builds(
+            A.GraphDecl,
+            _name,
+            st.lists(_name, max_size=2).map(tuple),
+            st.lists(_name, max_size=2).map(tuple),
+            _assignments,
+        ),
     ),
 )
 
@@ -214,7 +237,17 @@ _quant_value = st.one_of(_lit, _name.map(A.Identifier))
 
 
 @settings(max_examples=50, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(st.builds(A.QuantEntry, st.text(min_size=1, max_size=6), _plain, st.lists(st.builds(A.Argument, _plain, _quant_value), max_size=4).map(tuple)), max_size=4))
+@given(
+    st.lists(
+        st.builds(
+            A.QuantEntry,
+            st.text(min_size=1, max_size=6),
+            _plain,
+            st.lists(st.builds(A.Argument, _plain, _quant_value), max_size=4).map(tuple),
+        ),
+        max_size=4,
+    )
+)
 def test_generated_quant_round_trip(entries: list) -> None:
     doc = A.QuantDocument(tuple(entries))
     assert parse_quant(dump_quant(doc)) == doc

@@ -168,7 +168,9 @@ def _check_divergent(name: str, doc: A.Document) -> None:
     elif name == "mul_over_add":
         assert _rhs(doc, "y").args[1].value == B("+", S(1.0), B("*", S(2.0), S(3.0)))  # type: ignore[union-attr]
     elif name == "and_or_expr":  # && and || share one level, left-associative
-        assert _rhs(doc, "c") == B("||", B("&&", A.LogicalLiteral(True), A.LogicalLiteral(False)), A.LogicalLiteral(True))
+        assert _rhs(doc, "c") == B(
+            "||", B("&&", A.LogicalLiteral(True), A.LogicalLiteral(False)), A.LogicalLiteral(True)
+        )
     elif name == "in_operator":
         assert _rhs(doc, "c") == B("in", N(1), A.ArrayExpr((N(1), N(2))))
     elif name == "if_else_expr":
@@ -251,7 +253,9 @@ def test_table_covers_every_probe_and_matches_the_tools() -> None:
         either = bool(p["tract_loads"] or p["khronos_parses"])
         verdict = EXPECTED[p["probe"]] == ACCEPT
         if verdict != either:
-            assert p["probe"] in SYNTAX_VALID_BUT_REJECTED, f"{p['probe']}: table says {EXPECTED[p['probe']]}, tools: {either}"
+            assert p["probe"] in SYNTAX_VALID_BUT_REJECTED, (
+                f"{p['probe']}: table says {EXPECTED[p['probe']]}, tools: {either}"
+            )
             assert verdict, "only rejections by both tools for non-syntax reasons may be accepted"
     # the ones both tools reject for their syntax are rejected
     assert {k for k, v in EXPECTED.items() if v == REJECT} == set(REJECT_AT)
@@ -287,4 +291,9 @@ def test_quant_probe_keys() -> None:
     basic = parse_quant((PROBES / "quant_file_basic" / "graph.quant").read_text(encoding="utf-8"))
     y = basic.by_tensor()["y"]
     assert y.op == "zero_point_linear_quantize"
-    assert y.named() == {"scale": A.ScalarLiteral(0.5), "zero_point": A.IntegerLiteral(0), "bits": A.IntegerLiteral(8), "signed": A.LogicalLiteral(False)}
+    assert y.named() == {
+        "scale": A.ScalarLiteral(0.5),
+        "zero_point": A.IntegerLiteral(0),
+        "bits": A.IntegerLiteral(8),
+        "signed": A.LogicalLiteral(False),
+    }

@@ -50,12 +50,14 @@ def _flags(parser) -> dict[str, object]:
 
 # ---------------------------------------------------------------------------------------------- registry
 def test_registry_holds_todays_schemes_with_their_ops():
-    assert list(S.SCHEMES) == ["kivi", "tract", "tract-cache"]
+    assert list(S.SCHEMES) == ["kivi", "tract", "tract-cache", "ggml", "hf"]
     assert {n: s.op for n, s in S.SCHEMES.items()} == {
         "kivi": "nnef_kv_kivi_sdpa", "tract": "tract_transformers_quantized_kv_sdpa",
-        "tract-cache": "tract_transformers_quantized_dyn_kv_cache"}
+        "tract-cache": "tract_transformers_quantized_dyn_kv_cache", "ggml": "nnef_kv_ggml_sdpa",
+        "hf": "nnef_kv_hf_quantized_sdpa"}
     assert {n: s.rewrite for n, s in S.SCHEMES.items()} == {"kivi": "attention", "tract": "attention",
-                                                           "tract-cache": "cache"}
+                                                           "tract-cache": "cache", "ggml": "attention",
+                                                           "hf": "attention"}
     assert S.scheme("tract") is S.SCHEMES["tract"]
     assert S.fixed_bits("tract_transformers_quantized_kv_sdpa") == 8 and S.fixed_bits("nnef_kv_kivi_sdpa") is None
 
@@ -65,7 +67,7 @@ def test_unknown_scheme_is_one_line_listing_the_choices(name):
     with pytest.raises(ConversionError) as exc:
         S.scheme(name)
     msg = str(exc.value)
-    assert "\n" not in msg and msg == f"option scheme={name!r}: expected one of kivi, tract, tract-cache"
+    assert "\n" not in msg and msg == f"option scheme={name!r}: expected one of kivi, tract, tract-cache, ggml, hf"
 
 
 def test_schemes_module_imports_no_converter():
@@ -96,8 +98,8 @@ BAD = [  # (scheme, option values, the message after "option ")
                                  "of scheme kivi)"),
     ("tract", dict(key_group=16), "key_group=16: scheme tract does not take it (it takes bits; key_group is an "
                                   "option of scheme kivi)"),
-    ("tract-cache", dict(residual=8), "residual=8: scheme tract-cache does not take it (it takes bits; residual is "
-                                      "an option of scheme kivi)"),
+    ("tract-cache", dict(residual=8), "residual=8: scheme tract-cache does not take it (it takes bits, layer_bits; "
+                                      "residual is an option of scheme kivi)"),
     ("kivi", dict(sinks=10 ** 20), "sinks=100000000000000000000: too large: the op holds it as a 64-bit integer "
                                    "(at most 9223372036854775807)"),
     ("kivi", dict(residual=2 ** 63), "residual=9223372036854775808: too large: the op holds it as a 64-bit integer "
@@ -105,7 +107,7 @@ BAD = [  # (scheme, option values, the message after "option ")
     ("tract-cache", dict(bits=6), "bits=6: scheme tract-cache takes 4 or 8 bits"),
     ("tract-cache", dict(bits=3), "bits=3: scheme tract-cache takes 4 or 8 bits"),
     ("kivi", dict(colour=1), "colour=1: not an option of any scheme (scheme kivi takes bits, key_group, "
-                             "value_group, residual, sinks)"),
+                             "value_group, residual, sinks, key_bits, value_bits, key_axis, layer_bits)"),
 ]
 
 
@@ -139,7 +141,8 @@ def test_valid_options_take_the_scheme_defaults():
     assert o.as_dict() == {"scheme": "tract", "bits": 8}
     assert o.scheme_options == S.TractOptions(bits=8)
     assert ConvertOptions.of("kivi").as_dict() == {"scheme": "kivi", "bits": 4, "key_group": 32, "value_group": 32,
-                                                   "residual": 32, "sinks": 0}
+                                                   "residual": 32, "sinks": 0, "key_bits": 0, "value_bits": 0,
+                                                   "key_axis": "channel", "layer_bits": ""}
     with pytest.raises(ConversionError, match="key_group=8: scheme tract does not take it"):
         ConvertOptions.of("tract", key_group=8)  # was: checked, kept and ignored
     with pytest.raises(ConversionError, match="key_group=8: scheme tract does not take it"):
@@ -152,7 +155,8 @@ def test_scheme_notes_and_report_settings():
     assert S.report_settings("tract_transformers_quantized_kv_sdpa", {"axis": 2, "scale": 0.5}) == "bits 8"
     assert S.report_settings("nnef_kv_kivi_sdpa", {"axis": 2, "scale": 0.5, "bits": 4, "key_group": 32,
                                                    "is_causal": True}) == "bits 4, key_group 32"
-    assert S.report_settings("nnef_kv_ggml_sdpa", {"key_type": "q8_0", "residual": 0}) == "residual 0"
+    # scheme ggml writes the op now: its reported attributes
+    assert S.report_settings("nnef_kv_ggml_sdpa", {"key_type": "q8_0", "residual": 0}) == "key_type q8_0, residual 0"
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -266,7 +270,7 @@ def test_passes_read_the_scheme_not_its_name(fake_scheme):
 
 
 def test_docs_list_the_files_a_scheme_touches():
-    doc = (REPO / "docs" / "architecture.md").read_text()  # architecture-schemes.md merged into it
+    doc = (REPO / "docs" / "architecture.md").read_text()
     for path in ("nnef_kv/kv/schemes.py", "nnef_kv/kv/kivi.py", "nnef_kv/grammar/nnef_kv_ops.nnef",
                  "nnef_kv/converters/frontends/"):
         assert path in doc

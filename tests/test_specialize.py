@@ -57,7 +57,9 @@ def test_every_specializer_is_registered_for_a_registered_kernel() -> None:
 @settings(max_examples=150, deadline=None)
 @given(shape=st.lists(st.integers(1, 4), min_size=1, max_size=4), start=st.integers(0, 4), count=st.integers(0, 3),
        new=st.lists(st.integers(1, 6), min_size=0, max_size=3), seed=st.integers(0, 9))
-def test_reshape_specialized_matches_generic(shape: list[int], start: int, count: int, new: list[int], seed: int) -> None:
+def test_reshape_specialized_matches_generic(
+    shape: list[int], start: int, count: int, new: list[int], seed: int
+) -> None:
     x = arrays(np.float32, tuple(shape), seed)
     if start <= len(shape) and start + count <= len(shape) and new and int(np.prod(new)) == int(
             np.prod(shape[start:start + count])):
@@ -112,7 +114,12 @@ def test_silu_and_rope_fast_forms_match_the_plain_ones(dtype: Any) -> None:
     g.reshape(-1)[4:6] = [-1000.0, 1000.0]  # exp overflows: no warning, same values
     with np.errstate(over="raise"):
         same(lambda: C.tract_core_silu(g), lambda: C._float_unary(g, C._silu))
-    for xs, cs in [((1, 4, 3, 8), (1, 1, 3, 8)), ((2, 3, 8), (3, 8)), ((1, 2, 1, 8), (1, 1, 5, 8)), ((1, 2, 3, 7), (3, 7))]:
+    for xs, cs in [
+        ((1, 4, 3, 8), (1, 1, 3, 8)),
+        ((2, 3, 8), (3, 8)),
+        ((1, 2, 1, 8), (1, 1, 5, 8)),
+        ((1, 2, 3, 7), (3, 7)),
+    ]:
         x = arrays(dtype, xs, 3, special=True)
         c, s = arrays(np.float32, cs, 4), arrays(np.float32, cs, 5)
         same(lambda: T.tract_transformers_apply_rope(x, c, s), lambda: rope_out_of_place(x, c, s))

@@ -41,7 +41,10 @@ def test_find_tokenizer_where_exporters_put_it(tmp_path, tok_file, layout) -> No
     elif layout == "torch-to-nnef":  # EXPORT/model/model.nnef.tgz + EXPORT/tokenizer/tokenizer.json
         (tmp_path / "EXPORT" / "model").mkdir(parents=True)
         (tmp_path / "EXPORT" / "tokenizer").mkdir()
-        archive, tok = tmp_path / "EXPORT" / "model" / "model.nnef.tgz", tmp_path / "EXPORT" / "tokenizer" / "tokenizer.json"
+        archive, tok = (
+            tmp_path / "EXPORT" / "model" / "model.nnef.tgz",
+            tmp_path / "EXPORT" / "tokenizer" / "tokenizer.json",
+        )
     else:
         (tmp_path / "a" / "b").mkdir(parents=True)
         archive, tok = tmp_path / "a" / "b" / "m.nnef.tar", tmp_path / "a" / "tokenizer.json"
@@ -58,7 +61,9 @@ def test_no_tokenizer_found_says_where_it_looked(tmp_path) -> None:
     archive = tmp_path / "m.nnef.tgz"
     archive.write_bytes(b"")
     assert find_tokenizer(archive) is None
-    with pytest.raises(InputError, match=r"^text needs a tokenizer: none found next to .*give tokenizer PATH or ids FILE"):
+    with pytest.raises(
+        InputError, match=r"^text needs a tokenizer: none found next to .*give tokenizer PATH or ids FILE"
+    ):
         token_source(text=tmp_path / "x.txt", archive=archive)
 
 

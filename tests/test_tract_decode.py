@@ -66,7 +66,16 @@ def _forward(state: dict, x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray
     v = heads(np.matmul(x, w["wv"]).astype(dt), HKV)
     kc, vc = state["k"](k), state["v"](v)
     sdpa = lookup("tract_transformers_sdpa").kernel
-    a = sdpa(q, kc, vc, None, scale=None, datum_type={"float32": "f32", "float16": "f16"}[dt.name], acc_datum_type="f32", is_causal=True)
+    a = sdpa(
+        q,
+        kc,
+        vc,
+        None,
+        scale=None,
+        datum_type={"float32": "f32", "float16": "f16"}[dt.name],
+        acc_datum_type="f32",
+        is_causal=True,
+    )
     a2 = a.transpose(0, 2, 1, 3).reshape(1, s, HQ * HD)
     return np.matmul(a2, w["wo"]).astype(dt)
 
@@ -74,7 +83,9 @@ def _forward(state: dict, x: np.ndarray, w: dict[str, np.ndarray]) -> np.ndarray
 def _caches(dtype: str) -> dict:
     prim = lookup("tract_transformers_dyn_kv_cache")
     assert prim is not None and prim.stateful
-    common = dict(axis=2, datum_type=dtype, past_sequence_shape=[1, HKV, "P", HD], input_sequence_shape=[1, HKV, "S", HD])
+    common = dict(
+        axis=2, datum_type=dtype, past_sequence_shape=[1, HKV, "P", HD], input_sequence_shape=[1, HKV, "S", HD]
+    )
     return {"k": prim.state_factory(name="past_k", **common), "v": prim.state_factory(name="past_v", **common)}
 
 
@@ -92,7 +103,10 @@ def decode_setup(request, tmp_path_factory):
         "wo": (rng.standard_normal((1, HQ * HD, D_MODEL)) * scale).astype(npdt),
     }
     # a prefill, a second chunk (Sq = CHUNK < Skv: bottom-right causal alignment), then single tokens
-    xs = [rng.standard_normal((1, PREFILL, D_MODEL)).astype(npdt), rng.standard_normal((1, CHUNK, D_MODEL)).astype(npdt)]
+    xs = [
+        rng.standard_normal((1, PREFILL, D_MODEL)).astype(npdt),
+        rng.standard_normal((1, CHUNK, D_MODEL)).astype(npdt),
+    ]
     xs += [rng.standard_normal((1, 1, D_MODEL)).astype(npdt) for _ in range(STEPS)]
     graph = _graph(weights, dtype)
     folder = graph.write(tmp_path_factory.mktemp(f"decode_{dtype}"))

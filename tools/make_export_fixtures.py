@@ -400,7 +400,9 @@ def make_fixture(name: str, spec: dict, out_root: Path, shim: Path, work: Path) 
     proc = subprocess.run([sys.executable, "-c", runner, *cmd], env=env, capture_output=True, text=True)
     (work / f"export-{name}.log").write_text(proc.stdout + "\n----- stderr\n" + proc.stderr)
     err_lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
-    last_error = next((ln for ln in reversed(err_lines) if "Error" in ln or "ERROR" in ln), "") if proc.returncode else ""
+    last_error = (
+        next((ln for ln in reversed(err_lines) if "Error" in ln or "ERROR" in ln), "") if proc.returncode else ""
+    )
     if "Caused by" in last_error:  # tract's error chain, without the Python/Rust backtraces
         chain = last_error[last_error.find("TractError") : last_error.find("Stack backtrace")]
         last_error = " | ".join(x.strip() for x in chain.replace("\\n", "\n").split("\n") if x.strip())
@@ -453,9 +455,13 @@ def make_fixture(name: str, spec: dict, out_root: Path, shim: Path, work: Path) 
     if spec.get("softcap_probe"):
         # How much the caps bend this model: a softcap the runtime skipped would be off by this.
         flat = dict(spec, config=dict(spec["config"], attn_logit_softcapping=None, final_logit_softcapping=None))
-        info["hf_ref"]["no_softcap_vs_hf_ref"] = float(np.abs(hf_reference(build_model(flat))["logits"] - ref["logits"]).max())
+        info["hf_ref"]["no_softcap_vs_hf_ref"] = float(
+            np.abs(hf_reference(build_model(flat))["logits"] - ref["logits"]).max()
+        )
         flat = dict(spec, config=dict(spec["config"], attn_logit_softcapping=None))
-        info["hf_ref"]["no_attn_softcap_vs_hf_ref"] = float(np.abs(hf_reference(build_model(flat))["logits"] - ref["logits"]).max())
+        info["hf_ref"]["no_attn_softcap_vs_hf_ref"] = float(
+            np.abs(hf_reference(build_model(flat))["logits"] - ref["logits"]).max()
+        )
     (dst / "export_info.json").write_text(json.dumps(info, indent=1) + "\n")
     print(json.dumps({k: info[k] for k in ("rc", "archive_bytes", "t2n_check_io", "last_error_line")}), flush=True)
     return info

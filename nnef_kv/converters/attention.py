@@ -536,7 +536,9 @@ def exporter_problems(g: GraphEdit) -> list[str]:
             continue
         seq = shape.items[2]
         lit = static_value(seq)
-        symbolic_input = any(isinstance(d, A.Identifier) or not isinstance(static_value(d), int) for d in shape.items[:2])
+        symbolic_input = any(
+            isinstance(d, A.Identifier) or not isinstance(static_value(d), int) for d in shape.items[:2]
+        )
         if isinstance(lit, int) and not isinstance(lit, bool) and lit > 1 and symbolic_input:
             out.append(f"{g.where}: node '{r.name}' (reshape) gives tract_transformers_sdpa '{n.name}' a query whose "
                        f"sequence axis is the constant {lit}: torch-to-nnef --reify-sdpa-operator with grouped-query "

@@ -462,7 +462,9 @@ def _flatten(lhs: A.Expr, rhs: A.Expr, taken: set[str], fresh) -> list[A.Assignm
         return e
 
     if isinstance(rhs, A.BinaryExpr) and rhs.op in _BINARY_OPS:
-        rhs = A.Invocation(_BINARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.left)), A.Argument(None, hoist(rhs.right))))
+        rhs = A.Invocation(
+            _BINARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.left)), A.Argument(None, hoist(rhs.right)))
+        )
     elif isinstance(rhs, A.UnaryExpr) and rhs.op in _UNARY_OPS:
         rhs = A.Invocation(_UNARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.operand)),))
     elif isinstance(rhs, A.Invocation):

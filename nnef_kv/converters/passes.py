@@ -144,7 +144,14 @@ def _datum_type(g: GraphEdit, past: str) -> str:
     return "f32"
 
 
-def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: int | None) -> A.Invocation:
+def _layers_check(ctx: ConversionContext, layers: int) -> None:
+    bad = ctx.scheme.layers_problem(ctx.settings, layers)
+    if bad is not None:
+        raise ConversionError(f"{ctx.graph.where}: option {bad}")
+
+
+def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: int | None,
+                      layer: int = 0) -> A.Invocation:
     scale = block.scale
     if scale is None:
         if head_dim is None:
@@ -152,7 +159,7 @@ def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: i
                                   "head size")
         scale = 1.0 / math.sqrt(head_dim)
     site = AttentionSite(scale=float(scale), is_causal=bool(block.is_causal or block.mask is not None),
-                         softcap=float(block.softcap or 0.0))
+                         softcap=float(block.softcap or 0.0), layer=layer)
     return invocation(ctx.scheme.op, A.Identifier(block.q), A.Identifier(block.key.new), A.Identifier(block.value.new),
                       **ctx.scheme.attributes(ctx.settings, site))
 
@@ -185,7 +192,8 @@ class NormalizePass:
             g.inline(name, frags[op])  # type: ignore[index]
             rep.nodes_replaced.append(f"{name}: {op}(...) inlined")
         if calls:
-            rep.notes.append(f"{len(calls)} call(s) of attention fragments ({', '.join(sorted({g.op_of(c) or '' for c in calls} - {''}) or sorted(frags))}) "
+            names = ', '.join(sorted({g.op_of(c) or '' for c in calls} - {''}) or sorted(frags))
+            rep.notes.append(f"{len(calls)} call(s) of attention fragments ({names}) "
                              "inlined into the graph")
         probe = GraphEdit(g.document(), g.tensors, g.where)
         ctx.initially_dead = set(probe.dead_code())
@@ -249,10 +257,11 @@ class AttentionPass:
         drop: set[str] = set()
         for b in blocks:
             _check_scheme(ctx, b)
-        for b in blocks:
+        _layers_check(ctx, len(blocks))
+        for layer, b in enumerate(blocks):
             ctx.blocks.append(b)
             head_dim = self._record_caches(ctx, b, present, drop)
-            g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim))
+            g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim, layer))
             rep.nodes_replaced.append(f"{b.output}: {b.kind} -> {op}")
             if b.mask is not None:
                 rep.notes.append(ctx.scheme.mask_note.format(output=b.output, mask=b.mask, op=op))
@@ -330,8 +339,11 @@ class CachePass:
             ctx.misses += misses
             return rep
         present: list[str] = []
+        _layers_check(ctx, max(sum(c.role == r for c in caches) for r in ("key", "value")))
+        seen = {"key": 0, "value": 0}
         for src in caches:
-            attrs = ctx.scheme.attributes(ctx.settings, CacheSite(src.role))
+            attrs = ctx.scheme.attributes(ctx.settings, CacheSite(src.role, seen.get(src.role, 0)))
+            seen[src.role] = seen.get(src.role, 0) + 1
             if src.kind == "explicit":
                 assert src.past is not None
                 shape = g.declared_shape(src.past)
@@ -344,7 +356,8 @@ class CachePass:
                 self._explicit(ctx, src, attrs)
             else:
                 self._dyn(ctx, src, attrs)
-            rep.nodes_replaced.append(f"{src.full} ({src.role}s): {'concat' if src.kind == 'explicit' else DYN_CACHE_OP} "
+            was = 'concat' if src.kind == 'explicit' else DYN_CACHE_OP
+            rep.nodes_replaced.append(f"{src.full} ({src.role}s): {was} "
                                       f"-> {ctx.scheme.op}")
         ctx.caches = caches
         ctx.forget_dead_readers(set(ctx.removed_inputs))

@@ -4,7 +4,8 @@ Why: Lark's LALR loop costs several microseconds per token, so a 3.5 MB graph of
 takes 10-30 s with Lark alone (machine load dependent); the Khronos C++ parser needs 1.1-1.8 s.
 Almost every statement of a real graph body has the shape ``lhs = op[<type>](args);`` with
 arguments that are identifiers, numbers, simple strings, flat arrays, named arguments or nested
-plain invocations, all on one line. Those are built here directly into the same AST nodes, with the same positions, as the Lark transformer would build.
+plain invocations, all on one line. Those are built here directly into the same AST nodes, with the same
+positions, as the Lark transformer would build.
 
 How it stays equivalent to the grammar (the grammar remains the definition of the language):
 

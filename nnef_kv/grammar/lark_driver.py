@@ -518,7 +518,9 @@ def _too_deep(err: _TooDeep, filename: str) -> NnefSyntaxError:
     return NnefSyntaxError("nesting too deep", filename=filename, line=line, column=column)
 
 
-def run_lark(kind: str, text: str, start: str, filename: str, limits: Limits, line_off: int = 0, col_off: int = 0) -> Any:
+def run_lark(
+    kind: str, text: str, start: str, filename: str, limits: Limits, line_off: int = 0, col_off: int = 0
+) -> Any:
     """Parse ``text`` with Lark from rule ``start``; positions shifted by the offsets (line 1 also by col_off)."""
     parser = _lark(kind)
     _set_ctx(filename, limits, line_off, col_off, text)

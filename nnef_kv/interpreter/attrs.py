@@ -301,7 +301,9 @@ class AttributeEvaluator:
             try:
                 return base[idx]
             except Exception as exc:
-                raise GraphError(f"{self.loc(e.pos)}: bad subscript {message_text(e)}: {_short(str(exc), 160)}") from None
+                raise GraphError(
+                    f"{self.loc(e.pos)}: bad subscript {message_text(e)}: {_short(str(exc), 160)}"
+                ) from None
         if isinstance(e, A.SliceExpr):
             base = self._attr(e.base, ctx, vals)
             lo = self._attr(e.begin, ctx, vals) if e.begin is not None else None
@@ -351,8 +353,10 @@ class AttributeEvaluator:
             return DYN
         for it, seq in zip(e.iterators, iters):
             if not isinstance(seq, (list, tuple)):
-                raise GraphError(f"{self.loc(e.pos)}: cannot evaluate {message_text(e)}: {message_text(it.iterable)} is "
-                                 f"not an array ({_short(repr(seq), 60)})")
+                raise GraphError(
+                    f"{self.loc(e.pos)}: cannot evaluate {message_text(e)}: {message_text(it.iterable)} is "
+                    f"not an array ({_short(repr(seq), 60)})"
+                )
         n = len(iters[0]) if iters else 0
         self._spend(n, e, vals, "a comprehension")
         if any(len(i) != n for i in iters):

@@ -60,7 +60,8 @@ def _fake_quantize(x: np.ndarray, scale: float, zero_point: int, qmin: int, qmax
 
 
 _FAKE_QUANT_PRIM = Primitive(
-    signature="fragment fake_quantize(x: tensor<scalar>, scale: scalar, zero_point: integer, qmin: integer, qmax: integer) -> (y: tensor<scalar>);",
+    signature="fragment fake_quantize(x: tensor<scalar>, scale: scalar, zero_point: integer, qmin: integer, "
+              "qmax: integer) -> (y: tensor<scalar>);",
     registry="nnef_kv",
     kernel=_fake_quantize,
     name="<fake_quantize>",

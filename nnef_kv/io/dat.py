@@ -129,8 +129,12 @@ def describe(vendor: int, code: int, bits: int) -> str:
             return f"complex i{bits // 2}"
         if code in BLOCK_FORMATS:
             fmt = BLOCK_FORMATS[code][0]
-            detail = {0x2040: "legacy order", 0x3040: "GGML order", 0x3080: "tract read code",
-                      0x3081: "tract write code"}
+            detail = {
+                0x2040: "legacy order",
+                0x3040: "GGML order",
+                0x3080: "tract read code",
+                0x3081: "tract write code",
+            }
             return f"{fmt} ({detail[code]})"
         return f"unknown tract item type 0x{code:04x}"
     return f"unknown vendor 0x{vendor:04x} item type {code}"
@@ -283,8 +287,9 @@ def _payload_length(h: _Header, name: str) -> int | None:
         return expected
     dt = _plain_dtype(h.vendor, h.code, h.bits)
     if dt is None:
-        raise TensorFileError(f"{name}: unsupported item type {describe(h.vendor, h.code, h.bits)} with {h.bits} "
-                              f"bits per item")
+        raise TensorFileError(
+            f"{name}: unsupported item type {describe(h.vendor, h.code, h.bits)} with {h.bits} bits per item"
+        )
     expected = (count * h.bits + 7) // 8
     if h.vendor == 0 and h.code == BOOL and h.data_length == expected + 1 and count * h.bits % 8 == 0:
         return h.data_length  # tract accepts one spare byte for bools when the bits fill whole bytes
@@ -448,8 +453,9 @@ def _header_bytes(info: DatInfo, shape: tuple[int, ...], data_length: int, name:
     return head + reserved
 
 
-def encode_parts(value: TensorValue, info: DatInfo | None = None, *,
-                 name: str = "<tensor>") -> list[bytes | memoryview]:
+def encode_parts(
+    value: TensorValue, info: DatInfo | None = None, *, name: str = "<tensor>"
+) -> list[bytes | memoryview]:
     """The bytes of a ``.dat`` file as a list of buffers (header first); large arrays are not copied.
 
     ``info`` (from :func:`read_tensor` ``with_info=True``) is honoured when it fits the value

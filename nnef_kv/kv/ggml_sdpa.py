@@ -436,6 +436,24 @@ class GgmlSdpa(BufferCheckpoint):
         this is read partly through the ggml blocks; with 0 every token is quantized as it arrives."""
         return self.cfg.residual
 
+    @property
+    def window_text(self) -> str:
+        r = self.cfg.residual
+        return f"residual {r}" if r else "no full-precision window (every token quantized as it arrives)"
+
+    def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
+        """Tokens read through the cache types (``key_type`` / ``value_type``, f16/f32 included) by the
+        query of each of the next ``n`` tokens. ``residual = 0``: every token the row sees, its own
+        included (``len + i + 1`` causally, ``len + n`` otherwise); with a window, in one call every row
+        reads the tokens stored before the call, stepwise row ``i`` the tokens more than ``residual``
+        positions before its own (``max(0, len + i - residual)``)."""
+        r, i = self.cfg.residual, np.arange(n, dtype=np.int64)
+        if r == 0:
+            return self.len + i + 1 if (stepwise or self.cfg.is_causal) else np.full(n, self.len + n, np.int64)
+        if not stepwise:
+            return np.full(n, self.n_quant, np.int64)
+        return np.maximum(0, self.len + i - r)
+
     def census(self) -> dict[str, int]:
         """Tokens held now: ``quantized`` = stored in the cache types (key_type / value_type, f16/f32
         types included), ``full_precision`` = the window; ``f32_bytes``: the same keys and values as f32."""

@@ -376,6 +376,32 @@ class HfQuantizedSdpa(BufferCheckpoint):
         full precision, and a decode step after a short prefill already reads the prefill quantized.)"""
         return max(self.cfg.residual, 1)
 
+    @property
+    def window_text(self) -> str:
+        return f"residual_length {self.cfg.residual} (HF's residual, flushed when full)"
+
+    def reads_quantized(self, n: int, stepwise: bool = True) -> np.ndarray:
+        """Tokens each of the next ``n`` queries reads from the dequantized store. In one call: none when
+        the cache is empty (HF returns a prefill as it is), else the whole store (every row sees it). In
+        one-token calls: the store at that token's call, replayed with HF's flush rule (the first token of
+        an empty cache is a prefill reading nothing; a call that brings the residual to ``residual``
+        tokens quantizes the whole history after its attention)."""
+        have, nq, nres, length = self.qk is not None, self.n_quant, self.n_res, self.len
+        if not stepwise:
+            return np.full(n, nq if have else 0, np.int64)
+        out = np.zeros(n, np.int64)
+        for i in range(n):
+            length += 1
+            if not have:
+                have, nq, nres = True, length, 0  # the prefill is stored quantized, nothing read quantized
+                continue
+            out[i] = nq
+            if nres + 1 >= self.cfg.residual:
+                nq, nres = length, 0
+            else:
+                nres += 1
+        return out
+
     def census(self) -> dict[str, int]:
         return {"tokens": int(self.len), "quantized": int(self.n_quant), "full_precision": int(self.n_res),
                 "f32_bytes": 8 * self.b * self.hkv * self.len * self.d}

@@ -21,6 +21,11 @@ Storage, per (batch, kv head), in sequence order::
 * Optional accuracy options (NNEF attributes after the public ones): ``clip`` (MSE-optimal shrink of
   each group range, searched on a grid), ``rotate`` (orthonormal Hadamard rotation of head_dim for
   keys and/or values: ``"k"``, ``"v"``, ``"kv"``; q.k and p.V are preserved exactly in real arithmetic).
+* Variants (issue 15, attributes after ``softcap``): ``key_bits`` / ``value_bits`` (0: ``bits``) give the
+  keys and the values their own widths; ``key_axis = "token"`` quantizes keys per token like values
+  (one ``(min, step)`` per group of ``value_group`` channels of each token) instead of per channel. The
+  tokens still move out of the window ``key_group`` at a time. A variant's attention reads the
+  dequantized codes (:mod:`.kivi_variant`), the same readings as the packed-code path.
 
 Attention (:mod:`.kivi_attend`) never builds the f32 cache: the quantized part is read block by block (a multiple of
 ``key_group`` tokens per block) into one reusable f32 code buffer; the key step and min are folded
@@ -46,6 +51,7 @@ from ..errors import GraphError, InputError, StateError
 from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state
 from .kivi_attend import KiviAttention
 from .kivi_parts import Outliers, View, rotate
+from .kivi_variant import KiviDequantizedAttention
 from .packing import GroupCodec
 from .settings import IntSetting, Problem, first_problem
 
@@ -69,10 +75,8 @@ def hadamard(d: int) -> np.ndarray:
     return (qm * np.sign(np.diag(r))).astype(np.float32)
 
 
+SINK_CHUNK = 256  # the most tokens a sink or window buffer reserves at once (more grow the buffer as they come)
 #: the integer settings of the op; scheme ``kivi`` checks its options with :func:`kivi_problem` too
-#: the most sink tokens a sink buffer reserves at once (more sinks grow the buffer as they come)
-SINK_CHUNK = 256
-
 KIVI_SETTINGS = {"bits": IntSetting(1, 8, reason="scheme kivi takes 1..8 bits"), "key_group": IntSetting(1),
                  "value_group": IntSetting(1), "residual": IntSetting(0), "sinks": IntSetting(0),
                  "block_tokens": IntSetting(0)}
@@ -99,6 +103,17 @@ class KiviConfig:
     params: str = "f16"
     block_tokens: int = 0  # 0: chosen so that one block of codes is ~1 MiB of f32
     softcap: float = 0.0  # > 0: scores softcapped, softcap * tanh(scores / softcap) (Gemma 2); 0: none
+    key_bits: int = 0  # 0: bits
+    value_bits: int = 0  # 0: bits
+    key_axis: str = "channel"  # "channel" (KIVI) or "token"
+
+    kbits = property(lambda self: self.key_bits or self.bits)  # the keys' bits
+    vbits = property(lambda self: self.value_bits or self.bits)  # the values' bits
+
+    @property
+    def variant(self) -> bool:
+        """Keys and values of different widths, or per-token keys (attention on dequantized codes)."""
+        return self.kbits != self.vbits or self.key_axis == "token"
 
     def validate(self, who: str) -> None:
         bad = kivi_problem(bits=self.bits, key_group=self.key_group, value_group=self.value_group,
@@ -111,6 +126,11 @@ class KiviConfig:
             raise GraphError(f"{who}: params must be 'f16' or 'f32', got {self.params!r}")
         if not self.softcap >= 0 or self.softcap == float("inf"):
             raise GraphError(f"{who}: softcap must be a finite number >= 0 (0: none), got {self.softcap}")
+        for nm in ("key_bits", "value_bits"):
+            if not 0 <= getattr(self, nm) <= 8:
+                raise GraphError(f"{who}: {nm}={getattr(self, nm)}: 0 (= bits) or 1..8")
+        if self.key_axis not in ("channel", "token"):
+            raise GraphError(f"{who}: key_axis must be 'channel' or 'token', got {self.key_axis!r}")
 
     @property
     def param_dtype(self) -> np.dtype:
@@ -119,11 +139,12 @@ class KiviConfig:
     def as_array(self) -> np.ndarray:
         """The config as saved in a state, with the version of the codes layout last."""
         rot = {"none": 0, "": 0, "k": 1, "v": 2, "kv": 3}[self.rotate]
+        extra = [self.kbits, self.vbits, int(self.key_axis == "token")] if self.variant else []
         return np.array([self.bits, self.key_group, self.value_group, self.residual, self.sinks,
-                         rot, int(self.clip), int(self.params == "f16"), CODES_LAYOUT], np.int64)
+                         rot, int(self.clip), int(self.params == "f16"), CODES_LAYOUT] + extra, np.int64)
 
 
-class KiviSdpa(KiviAttention, BufferCheckpoint):
+class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
     """State of one ``nnef_kv_kivi_sdpa`` node: a quantized KV cache and attention over it."""
 
     WHO = "nnef_kv_kivi_sdpa"
@@ -131,16 +152,20 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
     def __init__(self, axis: int = 2, scale: float = 0.125, bits: int = 4, key_group: int = 32,
                  value_group: int = 32, residual: int = 32, sinks: int = 0, is_causal: bool = True,
                  rotate: str = "none", clip: bool = False, params: str = "f16", block_tokens: int = 0,
-                 threads: int = 1, score_budget: int = 1 << 22, softcap: float = 0.0) -> None:
+                 threads: int = 1, score_budget: int = 1 << 22, softcap: float = 0.0, key_bits: int = 0,
+                 value_bits: int = 0, key_axis: str = "channel") -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
         self.cfg = KiviConfig(scale=float(scale), bits=int(bits), key_group=int(key_group),
                               value_group=int(value_group), residual=int(residual), sinks=int(sinks),
                               is_causal=bool(is_causal), rotate=str(rotate), clip=bool(clip),
-                              params=str(params), block_tokens=int(block_tokens), softcap=float(softcap))
+                              params=str(params), block_tokens=int(block_tokens), softcap=float(softcap),
+                              key_bits=int(key_bits), value_bits=int(value_bits), key_axis=str(key_axis))
         self.cfg.validate(self.WHO)
         self.levels = float((1 << self.cfg.bits) - 1)
+        self.k_levels = float((1 << self.cfg.kbits) - 1)
+        self.v_levels = float((1 << self.cfg.vbits) - 1)
         self.threads = max(1, int(threads))  # worker threads of the attention (not an NNEF attribute)
         # bytes of a [heads, rows, T] f32 score matrix up to which the two-pass path is used
         self.score_budget = int(score_budget)
@@ -165,24 +190,25 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         self.nvg = d // self.vg
         self.fp_dtype = np.dtype(fp_dtype)
         pdt = c.param_dtype
-        self.codec = GroupCodec(c.bits, d, c.key_group)
+        self.codec = GroupCodec(c.kbits, d, c.key_group)  # the keys' (and, not a variant, the values')
+        self.v_codec = self.codec if c.vbits == c.kbits else GroupCodec(c.vbits, d, c.key_group)
         self._unpack = self.codec.unpacker()  # fn(packed, out): whole groups into an f32 buffer
         rb = self.codec.row_bytes
         # codes grow by pages of >= 64 tokens, or 1/32 of what is held: < 3.2% unused capacity
         page = -(-64 // c.key_group) * c.key_group
-        # memory follows the tokens held, not the settings: a huge sinks (or residual) allocates nothing up front
-        sink_chunk = max(1, min(c.sinks, SINK_CHUNK))
+        # memory follows the tokens held, not the settings: a huge sinks (or residual) reserves nothing up front
+        sink_chunk, cap = max(1, min(c.sinks, SINK_CHUNK)), max(1, min(c.residual + c.key_group - 1, SINK_CHUNK))
         self.sink_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=sink_chunk)
         self.sink_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=sink_chunk)
-        cap = max(1, min(c.residual + c.key_group - 1, SINK_CHUNK))  # the window is held at its exact size
         self.res_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=cap)
         self.res_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=cap)
         g = 1.03125
         self.k_codes = GrowBuffer((n,), (rb,), np.uint8, growth=g, min_chunk=page)
-        self.v_codes = GrowBuffer((n,), (rb,), np.uint8, growth=g, min_chunk=page)
+        self.v_codes = GrowBuffer((n,), (self.v_codec.row_bytes,), np.uint8, growth=g, min_chunk=page)
         gpage = page // c.key_group
-        self.k_min = GrowBuffer((n,), (d,), pdt, growth=g, min_chunk=gpage)
-        self.k_step = GrowBuffer((n,), (d,), pdt, growth=g, min_chunk=gpage)
+        ktail, kpage = ((self.nvg,), page) if c.key_axis == "token" else ((d,), gpage)
+        self.k_min = GrowBuffer((n,), ktail, pdt, growth=g, min_chunk=kpage)
+        self.k_step = GrowBuffer((n,), ktail, pdt, growth=g, min_chunk=kpage)
         self.v_min = GrowBuffer((n,), (self.nvg,), pdt, growth=g, min_chunk=page)
         self.v_step = GrowBuffer((n,), (self.nvg,), pdt, growth=g, min_chunk=page)
         self.k_out = Outliers()
@@ -204,8 +230,9 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         return self.res_k.len if self._ready else 0
 
     # ============================================================================ quantization
-    def _params(self, lo: np.ndarray, hi: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _params(self, lo: np.ndarray, hi: np.ndarray, levels: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Stored (min, step) for finite ranges [lo, hi] (f32 arrays, inf where a group is empty)."""
+        levels = self.levels if levels is None else levels
         empty = ~np.isfinite(lo)
         lo = np.where(empty, 0.0, lo).astype(np.float32)
         hi = np.where(empty, 0.0, hi).astype(np.float32)
@@ -214,19 +241,19 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         if pdt == np.float16:  # round min down and step up so the stored range covers [lo, hi]
             mn = np.where(mn.astype(np.float32) > lo, np.nextafter(mn, np.float16(-np.inf)), mn)
         mn32 = mn.astype(np.float32)
-        st = ((hi - mn32) / np.float32(self.levels)).astype(pdt)
+        st = ((hi - mn32) / np.float32(levels)).astype(pdt)
         if pdt == np.float16:
-            short = mn32 + st.astype(np.float32) * np.float32(self.levels) < hi
+            short = mn32 + st.astype(np.float32) * np.float32(levels) < hi
             st = np.where(short, np.nextafter(st, np.float16(np.inf)), st)
         return mn, st
 
-    def _codes(self, x: np.ndarray, mn: np.ndarray, st: np.ndarray) -> np.ndarray:
+    def _codes(self, x: np.ndarray, mn: np.ndarray, st: np.ndarray, levels: float | None = None) -> np.ndarray:
         """Codes of x (NaN = outlier, coded 0) under broadcastable stored params."""
         mn32 = mn.astype(np.float32)
         st32 = st.astype(np.float32)
         with np.errstate(invalid="ignore", divide="ignore"):
             r = np.where(st32 > 0, (x - mn32) / np.where(st32 > 0, st32, 1), 0)
-        r = np.clip(np.rint(np.nan_to_num(r, nan=0.0)), 0, self.levels)
+        r = np.clip(np.rint(np.nan_to_num(r, nan=0.0)), 0, self.levels if levels is None else levels)
         return r.astype(np.uint8)
 
     def _split_outliers(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -240,19 +267,19 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         hi = np.fmax.reduce(xc, axis=axis, initial=-np.inf)
         return lo, hi
 
-    def _fit(self, xc: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray]:
+    def _fit(self, xc: np.ndarray, axis: int, levels: float | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Group params along ``axis`` of xc (NaN = ignore); MSE-optimal range shrink when ``clip``."""
         lo, hi = self._range(xc, axis)
         if not self.cfg.clip:
-            return self._params(lo, hi)
+            return self._params(lo, hi, levels)
         best = None
         fin = np.isfinite(xc)
         x0 = np.where(fin, xc, 0)
         mid = (lo + hi) / 2
         for a in _CLIP_GRID:
-            mn, st = self._params(mid + a * (lo - mid), mid + a * (hi - mid))
+            mn, st = self._params(mid + a * (lo - mid), mid + a * (hi - mid), levels)
             mne, ste = np.expand_dims(mn, axis), np.expand_dims(st, axis)
-            rec = mne.astype(np.float32) + self._codes(xc, mne, ste) * ste.astype(np.float32)
+            rec = mne.astype(np.float32) + self._codes(xc, mne, ste, levels) * ste.astype(np.float32)
             err = np.sum(np.where(fin, (rec - x0) ** 2, 0), axis=axis)
             if best is None:
                 best = (err, mn, st)
@@ -269,9 +296,14 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         q0 = self.n_quant
         # keys: per channel over each group of kg tokens
         kc, kbad = self._split_outliers(k)
-        kg = kc.reshape(n, ng, c.key_group, d)
-        mn, st = self._fit(kg, axis=2)  # [n, ng, d]
-        codes = self._codes(kg, mn[:, :, None, :], st[:, :, None, :]).reshape(n, t, d)
+        if c.key_axis == "token":  # per token, groups of vg channels (as values)
+            kgp = kc.reshape(n, t, self.nvg, self.vg)
+            mn, st = self._fit(kgp, axis=3, levels=self.k_levels)  # [n, t, nvg]
+            codes = self._codes(kgp, mn[..., None], st[..., None], self.k_levels).reshape(n, t, d)
+        else:
+            kg = kc.reshape(n, ng, c.key_group, d)
+            mn, st = self._fit(kg, axis=2, levels=self.k_levels)  # [n, ng, d]
+            codes = self._codes(kg, mn[:, :, None, :], st[:, :, None, :], self.k_levels).reshape(n, t, d)
         self.k_codes.append(self.codec.pack(codes))
         self.k_min.append(mn)
         self.k_step.append(st)
@@ -281,9 +313,9 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         # values: per token over groups of vg channels
         vc, vbad = self._split_outliers(v)
         vgp = vc.reshape(n, t, self.nvg, self.vg)
-        mn, st = self._fit(vgp, axis=3)  # [n, t, nvg]
-        codes = self._codes(vgp, mn[..., None], st[..., None]).reshape(n, t, d)
-        self.v_codes.append(self.codec.pack(codes))
+        mn, st = self._fit(vgp, axis=3, levels=self.v_levels)  # [n, t, nvg]
+        codes = self._codes(vgp, mn[..., None], st[..., None], self.v_levels).reshape(n, t, d)
+        self.v_codes.append(self.v_codec.pack(codes))
         self.v_min.append(mn)
         self.v_step.append(st)
         if vbad.any():
@@ -376,8 +408,9 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         qn, ks, vs, shape, out_dtype, rv = self._prepare(q, k, v)
         sq = shape[2]
         view = self._call_view(ks, vs)
+        attend = self._attend_dequantized if self.cfg.variant else self._attend
         with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf follow f32 semantics, silently
-            out = self._attend(qn, sq, view) if view.total and sq else None
+            out = attend(qn, sq, view) if view.total and sq else None
         self._ingest(ks, vs)
         self.len += ks.shape[1]
         if out is None:
@@ -459,18 +492,19 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         kc = expect_state(tensors, "k_codes", None, np.uint8, who)
         if kc.ndim != 3 or kc.shape[0] != n or kc.shape[2] != self.codec.row_bytes or kc.shape[1] % c.key_group:
             raise StateError(f"{who}: k_codes has shape {kc.shape}, expected ({n}, multiple of {c.key_group}, "
-                             f"{self.codec.row_bytes}) for {c.bits}-bit codes")
+                             f"{self.codec.row_bytes}) for {c.kbits}-bit codes")
         tq = kc.shape[1]
         expected_tq = max(0, (rest - c.residual) // c.key_group) * c.key_group
         if tq != expected_tq:
             raise StateError(f"{who}: {tq} quantized tokens in k_codes, but a cache of {t} tokens holds "
                              f"{expected_tq} with residual {c.residual}, key_group {c.key_group}, sinks {c.sinks}")
         nr = rest - tq
-        vc = expect_state(tensors, "v_codes", (n, tq, self.codec.row_bytes), np.uint8, who)
+        vc = expect_state(tensors, "v_codes", (n, tq, self.v_codec.row_bytes), np.uint8, who)
         pdt = c.param_dtype
         ng = tq // c.key_group
-        kmn = expect_state(tensors, "k_min", (n, ng, d), pdt, who)
-        kst = expect_state(tensors, "k_step", (n, ng, d), pdt, who)
+        kshape = (n, tq, self.nvg) if c.key_axis == "token" else (n, ng, d)
+        kmn = expect_state(tensors, "k_min", kshape, pdt, who)
+        kst = expect_state(tensors, "k_step", kshape, pdt, who)
         vmn = expect_state(tensors, "v_min", (n, tq, self.nvg), pdt, who)
         vst = expect_state(tensors, "v_step", (n, tq, self.nvg), pdt, who)
         rk = expect_state(tensors, "res_k", (n, nr, d), self.fp_dtype, who)
@@ -479,10 +513,14 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
             if not np.all(np.isfinite(arr)) or (nm.endswith("step") and np.any(arr < 0)):
                 raise StateError(f"{who}: state tensor {nm!r} holds non-finite or negative values "
                                  f"(group params are finite; steps >= 0)")
-        if c.bits < 8 and tq:
+        if c.kbits < 8 and tq:
             head = kc[:, :c.key_group]  # the first group: no stray padding bits
             if not np.array_equal(self.codec.pack(self.codec.unpack(head)), head):
-                raise StateError(f"{who}: k_codes are not valid {c.bits}-bit packed codes")
+                raise StateError(f"{who}: k_codes are not valid {c.kbits}-bit packed codes")
+        if c.vbits < 8 and tq:
+            head = vc[:, :c.key_group]
+            if not np.array_equal(self.v_codec.pack(self.v_codec.unpack(head)), head):
+                raise StateError(f"{who}: v_codes are not valid {c.vbits}-bit packed codes")
         self.sink_k.set_exact(sk)
         self.sink_v.set_exact(sv)
         self.res_k.set_exact(rk)
@@ -547,9 +585,13 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         kg = self.cfg.key_group
         tq = self.n_quant
         kc = self.codec.unpack(self.k_codes.view()).astype(np.float32)
-        kq = (self.k_min.view().astype(np.float32)[:, :, None, :]
-              + kc.reshape(n, tq // kg, kg, d) * self.k_step.view().astype(np.float32)[:, :, None, :]).reshape(n, tq, d)
-        vc = self.codec.unpack(self.v_codes.view()).astype(np.float32).reshape(n, tq, self.nvg, self.vg)
+        if self.cfg.key_axis == "token":
+            kq = (self.k_min.view().astype(np.float32)[..., None] + kc.reshape(n, tq, self.nvg, self.vg)
+                  * self.k_step.view().astype(np.float32)[..., None]).reshape(n, tq, d)
+        else:
+            kq = (self.k_min.view().astype(np.float32)[:, :, None, :] + kc.reshape(n, tq // kg, kg, d)
+                  * self.k_step.view().astype(np.float32)[:, :, None, :]).reshape(n, tq, d)
+        vc = self.v_codec.unpack(self.v_codes.view()).astype(np.float32).reshape(n, tq, self.nvg, self.vg)
         vq = (self.v_min.view().astype(np.float32)[..., None]
               + vc * self.v_step.view().astype(np.float32)[..., None]).reshape(n, tq, d)
         h, pos, ch, val = self.k_out.in_range(0, tq)
@@ -572,4 +614,5 @@ class KiviSdpa(KiviAttention, BufferCheckpoint):
         c = replace(self.cfg, **changes)
         return KiviSdpa(scale=c.scale, bits=c.bits, key_group=c.key_group, value_group=c.value_group,
                         residual=c.residual, sinks=c.sinks, is_causal=c.is_causal, rotate=c.rotate,
-                        clip=c.clip, params=c.params, block_tokens=c.block_tokens, softcap=c.softcap)
+                        clip=c.clip, params=c.params, block_tokens=c.block_tokens, softcap=c.softcap,
+                        key_bits=c.key_bits, value_bits=c.value_bits, key_axis=c.key_axis)

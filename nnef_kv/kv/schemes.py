@@ -22,12 +22,14 @@ from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import ConversionError
+from . import layer_bits as LB
+from .ggml_sdpa import CACHE_TYPES
 from .kivi import kivi_problem
 from .settings import IntSetting, Problem, first_problem
 
 __all__ = ["Scheme", "SCHEMES", "DEFAULT_SCHEME", "AttentionSite", "CacheSite", "OptionSpec", "option", "scheme",
            "scheme_names", "all_options", "schemes_writing", "fixed_bits", "report_settings", "Problem",
-           "KiviOptions", "TractOptions", "TractCacheOptions"]
+           "KiviOptions", "TractOptions", "TractCacheOptions", "GgmlOptions", "HfOptions", "layer_settings"]
 
 DEFAULT_SCHEME = "kivi"
 #: attributes a validation report shows for a KV op no scheme writes (nnef_kv_ggml_sdpa, ...)
@@ -72,6 +74,13 @@ class KiviOptions:
                                   "many channels)")
     residual: int = option(32, "newest tokens kept in full precision")
     sinks: int = option(0, "first tokens kept in full precision")
+    key_bits: int = option(0, "kivi: bits of the keys (0: --bits)")
+    value_bits: int = option(0, "kivi: bits of the values (0: --bits)")
+    key_axis: str = option("channel", "kivi: keys quantized per 'channel' (KIVI, groups of key_group tokens) or per "
+                                      "'token' (groups of value_group channels, as values)", type=str)
+    layer_bits: str = option("", "per-layer bits, one entry per attention layer in graph order (8,4,4,2) or "
+                                 "layer:entry pairs (0:8,3:2); KEY/VALUE entries (8/4) where keys and values can "
+                                 "differ; ggml: cache types (q8_0,q4_0/q8_0)", type=str)
 
 
 @dataclass(frozen=True)
@@ -87,11 +96,141 @@ class TractCacheOptions:
     """Options of scheme ``tract-cache``."""
 
     bits: int = option(4)
+    layer_bits: str = option("", type=str)
+
+
+@dataclass(frozen=True)
+class GgmlOptions:
+    """Options of scheme ``ggml`` (llama.cpp's ``-ctk`` / ``-ctv``)."""
+
+    key_type: str = option("q8_0", "ggml: cache type of the keys (llama.cpp -ctk): " + ", ".join(CACHE_TYPES), type=str)
+    value_type: str = option("q8_0", "ggml: cache type of the values (llama.cpp -ctv)", type=str)
+    residual: int = option(0)
+    layer_bits: str = option("", type=str)
+
+
+@dataclass(frozen=True)
+class HfOptions:
+    """Options of scheme ``hf`` (transformers 5.x ``QuantizedCache``; defaults are HF's)."""
+
+    bits: int = option(4)
+    group_size: int = option(64, "hf: q_group_size of HF's QuantizedCache")
+    residual: int = option(128)
+    axis_key: int = option(0, "hf: axis_key of HF's QuantizedCache (quanto 0/-1, hqq 0/1)")
+    axis_value: int = option(0, "hf: axis_value of HF's QuantizedCache (quanto 0/-1, hqq 0/1)")
+    backend: str = option("quanto", "hf: 'quanto' or 'hqq'", type=str)
+    layer_bits: str = option("", type=str)
 
 
 TRACT_SETTINGS = {"bits": IntSetting(8, 8, allowed=(8,), reason="scheme tract stores 8-bit codes "
                                      "(tract_transformers_quantized_kv_sdpa): give 8 or no bits")}
 TRACT_CACHE_SETTINGS = {"bits": IntSetting(4, 8, allowed=(4, 8), reason="scheme tract-cache takes 4 or 8 bits")}
+KIVI_VARIANT_SETTINGS = {"key_bits": IntSetting(0, 8, reason="0 (= bits) or 1..8"),
+                         "value_bits": IntSetting(0, 8, reason="0 (= bits) or 1..8")}
+HF_BITS = {"quanto": (2, 4), "hqq": (1, 2, 3, 4, 8)}
+HF_AXES = {"quanto": (0, -1), "hqq": (0, 1)}
+
+
+# ---------------------------------------------------------------------------------------------- per layer
+def _bits_value(allowed: tuple[int, ...] | None, lowest: int = 1, highest: int = 8) -> Callable[[str], int]:
+    def value(text: str) -> int:
+        try:
+            b = int(text)
+        except ValueError:
+            raise ValueError(f"{text!r} is not a bit width") from None
+        if (allowed is not None and b not in allowed) or not lowest <= b <= highest:
+            raise ValueError(f"{b} bits: expected " + (", ".join(map(str, allowed)) if allowed else
+                                                       f"{lowest}..{highest}"))
+        return b
+    return value
+
+
+def _ggml_type(text: str) -> str:
+    t = text.lower()
+    if t not in CACHE_TYPES:
+        raise ValueError(f"{text!r} is not a ggml cache type ({', '.join(CACHE_TYPES)})")
+    return t
+
+
+def _layer_rule(scheme_name: str, values: Mapping[str, Any]) -> tuple[Callable[[str], Any], bool]:
+    """How a scheme reads one ``--layer-bits`` value, and whether it takes KEY/VALUE entries."""
+    if scheme_name == "ggml":
+        return _ggml_type, True
+    if scheme_name == "hf":
+        backend = values.get("backend", "quanto")
+        return _bits_value(HF_BITS.get(backend, HF_BITS["quanto"])), False
+    if scheme_name == "tract-cache":
+        return _bits_value((4, 8)), True
+    return _bits_value(None), True  # kivi
+
+
+def _layer_problem(scheme_name: str, values: Mapping[str, Any]) -> Problem | None:
+    if not values.get("layer_bits"):
+        return None
+    value, split = _layer_rule(scheme_name, values)
+    got = LB.parse(values["layer_bits"], value, split)
+    return got if isinstance(got, Problem) else None
+
+
+def layer_settings(scheme_obj: "Scheme", options: Any, layer: int) -> tuple[Any, Any]:
+    """The (keys, values) setting of attention layer ``layer`` (0-based, graph order) under ``options``:
+    its ``--layer-bits`` entry, else the scheme's uniform setting (bits, or ggml's cache types)."""
+    name = scheme_obj.name
+    if name == "ggml":
+        default = (options.key_type, options.value_type)
+    elif name == "kivi":
+        default = (options.key_bits or options.bits, options.value_bits or options.bits)
+    else:
+        default = (getattr(options, "bits", None),) * 2
+    text = getattr(options, "layer_bits", "")
+    if not text:
+        return default
+    value, split = _layer_rule(name, {f.name: getattr(options, f.name) for f in fields(options)})
+    spec = LB.parse(text, value, split)
+    assert not isinstance(spec, Problem)  # checked when the options were made
+    return LB.entry_for(spec, layer, default)
+
+
+def _kivi_check(values: Mapping[str, Any]) -> Problem | None:
+    base = {k: v for k, v in values.items() if k in ("bits", "key_group", "value_group", "residual", "sinks")}
+    bad = kivi_problem(**base) or first_problem({k: v for k, v in values.items() if k in KIVI_VARIANT_SETTINGS},
+                                                KIVI_VARIANT_SETTINGS)
+    if bad is None and "key_axis" in values and values["key_axis"] not in ("channel", "token"):
+        bad = Problem("key_axis", values["key_axis"], "expected 'channel' or 'token'")
+    return bad or _layer_problem("kivi", values)
+
+
+def _ggml_check(values: Mapping[str, Any]) -> Problem | None:
+    for k in ("key_type", "value_type"):
+        if k in values and (not isinstance(values[k], str) or values[k].lower() not in CACHE_TYPES):
+            return Problem(k, values[k], f"expected one of {', '.join(CACHE_TYPES)}")
+    bad = first_problem({k: v for k, v in values.items() if k == "residual"}, {"residual": IntSetting(0)})
+    return bad or _layer_problem("ggml", values)
+
+
+def _hf_check(values: Mapping[str, Any]) -> Problem | None:
+    v = {"bits": 4, "backend": "quanto", "axis_key": 0, "axis_value": 0, **values}
+    if v["backend"] not in HF_BITS:
+        return Problem("backend", v["backend"], "expected 'quanto' or 'hqq'")
+    ints = {"bits": IntSetting(1, 8), "group_size": IntSetting(1), "residual": IntSetting(0),
+            "axis_key": IntSetting(-1, 1), "axis_value": IntSetting(-1, 1)}
+    bad = first_problem({k: x for k, x in values.items() if k in ints}, ints)
+    if bad is not None:
+        return bad
+    be = v["backend"]
+    if v["bits"] not in HF_BITS[be]:
+        return Problem("bits", v["bits"], f"HF's {be} backend takes {', '.join(map(str, HF_BITS[be]))} bits")
+    for k in ("axis_key", "axis_value"):
+        if v[k] not in HF_AXES[be]:
+            return Problem(k, v[k], f"HF's {be} backend takes axis {' or '.join(map(str, HF_AXES[be]))}")
+    if be == "hqq" and v["bits"] == 3 and 1 in (v["axis_key"], v["axis_value"]):
+        return Problem("bits", 3, "HQQ 3-bit with axis 1: HF's cache fails at its first decode step")
+    return _layer_problem("hf", v)
+
+
+def _tract_cache_check(values: Mapping[str, Any]) -> Problem | None:
+    bad = first_problem({k: v for k, v in values.items() if k == "bits"}, TRACT_CACHE_SETTINGS)
+    return bad or _layer_problem("tract-cache", values)
 
 
 # ---------------------------------------------------------------------------------------------- sites
@@ -102,6 +241,7 @@ class AttentionSite:
     scale: float  # the scores' scale (1/sqrt(D) when the graph had none)
     is_causal: bool  # the attention was causal or masked
     softcap: float = 0.0  # tanh softcapping of the scores (0: none)
+    layer: int = 0  # its index among the attentions rewritten (graph order)
 
 
 @dataclass(frozen=True)
@@ -109,6 +249,7 @@ class CacheSite:
     """One KV cache the converter rewrites (``rewrite = "cache"``)."""
 
     role: str  # "key" or "value"
+    layer: int = 0  # its index among the caches of its role (graph order)
 
 
 # ---------------------------------------------------------------------------------------------- scheme
@@ -130,6 +271,7 @@ class Scheme:
     #: tokens the op holds before it quantizes any (sinks + window), from the options; None: from the first
     window: Callable[[Any], int] | None = None
     reported: tuple[str, ...] = ()  # attributes of the op a validation report shows
+    reported_unless: Mapping[str, Any] = field(default_factory=dict)  # ... unless they hold these (defaults)
     demo: str | None = None  # "bits": demo rows at each --bits width; "tract": one row, dropped by --no-tract
     doc: str = ""
 
@@ -180,7 +322,19 @@ class Scheme:
         """The bits the op stores, as the CLI prints them."""
         if self.fixed_bits is not None:
             return f"{self.fixed_bits} (fixed)"
-        return str(getattr(options, "bits", "?"))
+        if getattr(options, "layer_bits", ""):
+            return f"per layer {options.layer_bits}"
+        k, v = layer_settings(self, options, -1)
+        return str(k) if k == v else f"{k}/{v}"
+
+    def layers_problem(self, options: Any, layers: int) -> Problem | None:
+        """``--layer-bits`` against the number of attention layers (or caches of one role) found."""
+        text = getattr(options, "layer_bits", "")
+        if not text:
+            return None
+        value, split = _layer_rule(self.name, {f.name: getattr(options, f.name) for f in fields(options)})
+        spec = LB.parse(text, value, split)
+        return spec if isinstance(spec, Problem) else LB.count_problem(spec, text, layers)
 
     def settings_text(self, options: Any) -> str:
         """``bits 4, key_group 32, ...``: the options, for the conversion report."""
@@ -189,9 +343,26 @@ class Scheme:
 
 # ---------------------------------------------------------------------------------------------- the schemes
 def _kivi_attributes(o: KiviOptions, site: AttentionSite) -> dict[str, Any]:
-    extra = {"softcap": float(site.softcap)} if site.softcap else {}
-    return dict(axis=2, scale=float(site.scale), bits=o.bits, key_group=o.key_group, value_group=o.value_group,
+    extra: dict[str, Any] = {"softcap": float(site.softcap)} if site.softcap else {}
+    kb, vb = layer_settings(SCHEMES["kivi"], o, site.layer)
+    if vb != kb:
+        extra["value_bits"] = vb  # bits = the keys' (the op: value_bits 0 = bits)
+    if o.key_axis != "channel":
+        extra["key_axis"] = o.key_axis
+    return dict(axis=2, scale=float(site.scale), bits=kb, key_group=o.key_group, value_group=o.value_group,
                 residual=o.residual, sinks=o.sinks, is_causal=bool(site.is_causal), **extra)
+
+
+def _ggml_attributes(o: GgmlOptions, site: AttentionSite) -> dict[str, Any]:
+    kt, vt = layer_settings(SCHEMES["ggml"], o, site.layer)
+    return dict(axis=2, scale=float(site.scale), key_type=kt, value_type=vt, residual=o.residual,
+                is_causal=bool(site.is_causal))
+
+
+def _hf_attributes(o: HfOptions, site: AttentionSite) -> dict[str, Any]:
+    bits, _ = layer_settings(SCHEMES["hf"], o, site.layer)
+    return dict(axis=2, scale=float(site.scale), bits=bits, group_size=o.group_size, residual=o.residual,
+                axis_key=o.axis_key, axis_value=o.axis_value, backend=o.backend, is_causal=bool(site.is_causal))
 
 
 def _tract_attributes(o: TractOptions, site: AttentionSite) -> dict[str, Any]:
@@ -199,16 +370,19 @@ def _tract_attributes(o: TractOptions, site: AttentionSite) -> dict[str, Any]:
 
 
 def _tract_cache_attributes(o: TractCacheOptions, site: CacheSite) -> dict[str, Any]:
-    return dict(bits=o.bits, per_channel=1 if site.role == "key" else 0)  # keys per channel, values per token
+    kb, vb = layer_settings(SCHEMES["tract-cache"], o, site.layer)
+    # keys per channel, values per token
+    return dict(bits=kb if site.role == "key" else vb, per_channel=1 if site.role == "key" else 0)
 
 
 SCHEMES: dict[str, Scheme] = {
     "kivi": Scheme(
         name="kivi", op="nnef_kv_kivi_sdpa", summary="nnef_kv_kivi_sdpa (1..8 bits)", rewrite="attention",
-        options=KiviOptions, check=lambda values: kivi_problem(**values), make_attributes=_kivi_attributes,
+        options=KiviOptions, check=_kivi_check, make_attributes=_kivi_attributes,
         softcap=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
-        reported=("bits", "key_group", "value_group", "residual", "sinks"), demo="bits",
+        reported=("bits", "value_bits", "key_group", "value_group", "residual", "sinks", "key_axis"), demo="bits",
+        reported_unless={"value_bits": 0, "key_axis": "channel"},
         window=lambda o: o.sinks + o.residual + o.key_group,
         doc="nnef-kv's accurate op: KIVI codes (keys per channel, values per token), a full-precision window "
             "and sinks, causal mask built in"),
@@ -223,10 +397,26 @@ SCHEMES: dict[str, Scheme] = {
     "tract-cache": Scheme(
         name="tract-cache", op="tract_transformers_quantized_dyn_kv_cache",
         summary="tract_transformers_quantized_dyn_kv_cache (4 or 8 bits)", rewrite="cache", options=TractCacheOptions,
-        check=lambda values: first_problem(values, TRACT_CACHE_SETTINGS), make_attributes=_tract_cache_attributes,
+        check=_tract_cache_check, make_attributes=_tract_cache_attributes,
         reported=("bits", "per_channel"),
         doc="each cache becomes tract's quantized dyn cache (keys per channel, values per token); the attention "
             "is left as exported"),
+    "ggml": Scheme(
+        name="ggml", op="nnef_kv_ggml_sdpa", summary="nnef_kv_ggml_sdpa (llama.cpp cache types --key-type / "
+        "--value-type)", rewrite="attention", options=GgmlOptions, check=_ggml_check,
+        make_attributes=_ggml_attributes,
+        mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
+        reported=("key_type", "value_type", "residual"),
+        doc="llama.cpp's -ctk/-ctv KV cache: every token's K and V rows in ggml blocks of 32 along head_dim "
+            "(bit-exact with ggml's reference quantizers), no full-precision window unless --residual"),
+    "hf": Scheme(
+        name="hf", op="nnef_kv_hf_quantized_sdpa", summary="nnef_kv_hf_quantized_sdpa (Hugging Face "
+        "QuantizedCache, quanto 2/4 bits or hqq)", rewrite="attention", options=HfOptions, check=_hf_check,
+        make_attributes=_hf_attributes,
+        mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
+        reported=("backend", "bits", "group_size", "residual", "axis_key", "axis_value"),
+        doc="transformers 5.x QuantizedCache: the prefill attends exactly and is stored quantized, later calls "
+            "read the dequantized store, the residual re-quantizes the whole history when full (HF's defaults)"),
 }
 
 
@@ -265,7 +455,9 @@ def report_settings(op: str, attrs: Mapping[str, Any]) -> str:
     """``bits 4, key_group 32, ...``: the attributes of a KV op node a validation report shows."""
     writers = schemes_writing(op)
     keys = {k for s in writers for k in s.reported} if writers else set(REPORTED_BY_DEFAULT)
-    shown = {k: v for k, v in attrs.items() if k in keys and isinstance(v, (int, float, bool, str))}
+    unless = {k: v for s in writers for k, v in s.reported_unless.items()}
+    shown = {k: v for k, v in attrs.items() if k in keys and isinstance(v, (int, float, bool, str))
+             and not (k in unless and v == unless[k])}
     bits = fixed_bits(op)
     if bits is not None:
         shown["bits"] = bits

@@ -371,9 +371,11 @@ def _tract_text(cfg: DecoderConfig) -> str:
         kr = out(f"{p}_k_rope", f"tract_transformers_apply_rope({heads['k']}, {cos}, {sin})")
         caches = {}
         for kv, src in (("key", kr), ("value", heads["v"])):
-            caches[kv] = out(f"{p}_{kv}_cache",
-                             f"tract_transformers_dyn_kv_cache({src}, name = 'cache_{kv}_{l}', axis = 2, datum_type = 'f32', "
-                             f"past_sequence_shape = [1, {hkv}, P, {d}], input_sequence_shape = [1, {hkv}, S, {d}])")
+            caches[kv] = out(
+                f"{p}_{kv}_cache",
+                f"tract_transformers_dyn_kv_cache({src}, name = 'cache_{kv}_{l}', axis = 2, datum_type = 'f32', "
+                f"past_sequence_shape = [1, {hkv}, P, {d}], input_sequence_shape = [1, {hkv}, S, {d}])",
+            )
         att = out(f"{p}_attn_output",
                   f"tract_transformers_sdpa({qr}, {caches['key']}, {caches['value']}, scale = {scale!r}, "
                   f"datum_type = 'f32', acc_datum_type = 'f32', is_causal = true)")

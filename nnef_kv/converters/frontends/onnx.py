@@ -116,7 +116,9 @@ def _tainted(graph: Any) -> tuple[set[str], list[str]]:
     return tainted, boundary
 
 
-def _feeds(model: Any, roles: dict[str, tuple[str, int]], s: int, p: int, rng: np.random.Generator) -> dict[str, np.ndarray]:
+def _feeds(
+    model: Any, roles: dict[str, tuple[str, int]], s: int, p: int, rng: np.random.Generator
+) -> dict[str, np.ndarray]:
     import onnx
 
     feeds = {}
@@ -418,7 +420,9 @@ def _despecialize(model: Any, info: OnnxImport, s0: int, p0: int, where: str) ->
         body.append(replace(st, rhs=rhs))
     cut = set(masks) | set(positions)
     inputs = tuple(n for n in g.inputs if n not in cut)
-    missing = [n for n in cut if n in g.inputs and n not in {b.lhs.name for b in body if isinstance(b.lhs, A.Identifier)}]
+    missing = [
+        n for n in cut if n in g.inputs and n not in {b.lhs.name for b in body if isinstance(b.lhs, A.Identifier)}
+    ]
     if missing:
         raise ConversionError(f"{where}: cut mask(s) {missing} not found in nnef-tools' output")
     exts = list(doc.extensions)

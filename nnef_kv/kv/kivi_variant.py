@@ -1,0 +1,49 @@
+"""Attention of a KIVI variant (keys and values of different widths, or per-token keys): the quantized part
+dequantized once per call (:meth:`~.kivi.KiviSdpa._dequantized_quant`, side-table values back at their
+exact values), then exact softmax attention in f32 over ``[sinks | quantized | window and the call's
+tokens]`` -- the same readings as the packed-code path of :mod:`.kivi_attend`, which assumes one codec
+and per-channel keys. Stepwise runs use :meth:`~.kivi_attend.KiviAttention._attend_stepwise`, which
+already reads dequantized codes."""
+from __future__ import annotations
+
+import numpy as np
+
+from .kivi_parts import View, as32, finite_part
+
+__all__ = ["KiviDequantizedAttention"]
+
+
+class KiviDequantizedAttention:
+    """A mixin of :class:`~.kivi.KiviSdpa` (its state, codes and params)."""
+
+    def _attend_dequantized(self, q: np.ndarray, sq: int, view: View) -> np.ndarray:
+        """q ``[n, M, D]`` f32 (rotated; ``M = group * Sq``, row ``r`` is query ``r % Sq``) over ``view``
+        (read before the call ingests its tokens); returns ``[n, M, D]``."""
+        c = self.cfg
+        n, m, d = q.shape
+        tq = view.tq
+        kq, vq = self._dequantized_quant() if tq else (np.zeros((n, 0, d), np.float32),) * 2
+        k = np.concatenate([as32(view.sink_k), kq[:, :tq], as32(view.res_k)], axis=1)
+        v = np.concatenate([as32(view.sink_v), vq[:, :tq], as32(view.res_v)], axis=1)
+        total = k.shape[1]
+        s = np.matmul(q * np.float32(c.scale), k.swapaxes(-1, -2))  # [n, M, T]
+        self._softcap(s)
+        keep = None
+        if c.is_causal and sq > 1:
+            qpos = (total - sq) + (np.arange(m) % sq)
+            keep = np.arange(total)[None, :] <= qpos[:, None]  # [M, T]
+            s[:, ~keep] = -np.inf
+        mx = s.max(axis=-1, keepdims=True)
+        if not mx.min() > -np.inf:
+            mx = np.where(np.isfinite(mx), mx, np.float32(0))
+        p = np.exp(np.subtract(s, mx, out=s), out=s)
+        ls = p.sum(axis=-1, keepdims=True)
+        vf, bad = finite_part(v, 0)  # masked positions contribute nothing, not even 0 * NaN
+        out = np.matmul(p, vf)
+        if bad is not None:
+            h, col, ch, val = bad
+            seen = np.ones((m, col.size), bool) if keep is None else keep[:, col]
+            contrib = np.where(seen.T, p[h, :, col] * val[:, None], np.float32(0))  # [cnt, M]
+            np.add.at(np.swapaxes(out, 1, 2), (h, ch), contrib)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.divide(out, ls, out=out)

@@ -1,0 +1,313 @@
+"""``convert --auto-bits``: bits per layer (and per K and V) meeting a KL budget with the fewest KV bytes.
+
+Method (every figure is measured by ``validate``'s machinery on the user's text, at one context):
+
+1. **Ladder.** The scheme's settings from cheapest to most precise (:data:`LADDERS`: kivi 2, 3, 4, 5, 6,
+   8 bits; ggml q4_0, q4_1, q5_0, q5_1, q8_0; hf 2, 4 (quanto) or 1, 2, 3, 4, 8 (HQQ); tract-cache 4, 8).
+   A *unit* is one layer's keys or one layer's values (one layer when the scheme has one width for both:
+   hf).
+2. **Uniform baselines.** Every uniform setting is measured: each level for every layer's keys and values
+   (``--bits N``, what ``convert`` does without ``--layer-bits``), and where keys and values may differ
+   every KEY/VALUE pair of the ladder for all layers. The *best uniform* setting is the one-width setting
+   with the fewest KV bytes whose mean KL is within the budget; the best uniform KEY/VALUE pair likewise.
+   The target is the budget; with ``--match-uniform-kl`` it is ``min(budget, KL of the best uniform)``:
+   the choice is then never worse in KL than the uniform setting it replaces.
+3. **Sensitivity.** From the most precise setting everywhere, each unit alone is lowered to each cheaper
+   level and measured: ``dKL(unit, level)`` (negative values count as 0). Bytes per unit and level come
+   from the KV ops' own byte counts in the uniform runs (a fused op holds a layer's keys and values: half
+   each, exact for the schemes here, whose keys and values take the same bytes at the same width).
+4. **Search.** Predicted KL = KL(most precise) + sum of the units' dKL (first order, interactions
+   ignored); the fewest bytes under a predicted-KL limit is a multiple-choice knapsack, solved exactly on
+   a grid of 4000 KL steps (dynamic programming over units).
+5. **Verification.** Each candidate is converted and measured, two per round (run in parallel), six
+   rounds: the predicted-KL limit is first the target's (x 1 and x 0.7); while every candidate measures
+   within the target the limit grows (x 1.6, x 2.5: the first-order model is often pessimistic), while
+   every one is above it shrinks, and once both kinds are seen it is searched between the largest good
+   and the smallest bad factor. The cheapest setting *measured* within the target wins, per-layer
+   candidates and uniform settings alike (the report says when a uniform one wins).
+
+The jobs of steps 2, 3 and 5 run on the process pool or Ray (:mod:`.jobs`)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+from ..errors import InputError
+from .compare import CompareOptions, SchemeRow, SchemeSpec, job_steps, prepare, worker_died
+
+__all__ = ["LADDERS", "AutoBitsResult", "auto_bits", "knapsack"]
+
+LADDERS: dict[str, tuple[Any, ...]] = {
+    "kivi": (2, 3, 4, 5, 6, 8), "ggml": ("q4_0", "q4_1", "q5_0", "q5_1", "q8_0"), "hf": (2, 4),
+    "hf-hqq": (1, 2, 3, 4, 8), "tract-cache": (4, 8)}
+SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True}
+GRID = 4000
+ROUNDS = 6  # verification rounds (two candidates each)
+
+
+@dataclass
+class Candidate:
+    label: str  # "uniform 4/2", "sensitivity layer 1 keys 2", "auto round 1"
+    setting: list[tuple[Any, Any]]  # per layer (keys, values)
+    row: SchemeRow | None = None
+
+    def figures(self) -> dict[str, Any]:
+        return self.row.per_context[-1] if self.row is not None and self.row.per_context else {}
+
+    @property
+    def kl(self) -> float:
+        v = self.figures().get("kl_mean")
+        return float(v) if v is not None and self.row.status == "measured" else math.inf
+
+    @property
+    def kv_bytes(self) -> float:
+        v = self.figures().get("kv_bytes")
+        return float(v) if v is not None else math.inf
+
+
+@dataclass
+class AutoBitsResult:
+    scheme: str
+    options: dict[str, Any]
+    budget: float
+    target: float
+    context: int
+    eval_tokens: int
+    layers: int
+    split: bool
+    ladder: tuple[Any, ...]
+    uniform: list[Candidate]
+    sensitivity: dict[tuple[int, int, Any], float]  # (layer, side 0 keys / 1 values, level) -> dKL
+    rounds: list[Candidate]
+    best_uniform: Candidate | None
+    chosen: Candidate | None
+    best_pair: Candidate | None = None  # the best uniform KEY/VALUE pair within the budget (split schemes)
+    notes: list[str] = field(default_factory=list)
+    runner: str = ""
+
+    @property
+    def layer_bits(self) -> str:
+        from ..kv.layer_bits import format_spec
+
+        return format_spec(self.chosen.setting) if self.chosen is not None else ""
+
+    def saving(self, against: "Candidate | None" = None) -> float | None:
+        base = self.best_uniform if against is None else against
+        if self.chosen is None or base is None:
+            return None
+        return 1.0 - self.chosen.kv_bytes / base.kv_bytes
+
+
+def _ladder(scheme: str, options: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
+    if scheme not in SPLIT:
+        raise InputError(f"--auto-bits: scheme {scheme} has no bit width to choose (schemes with one: "
+                         f"{', '.join(SPLIT)})")
+    key = "hf-hqq" if scheme == "hf" and options.get("backend") == "hqq" else scheme
+    return LADDERS[key], SPLIT[scheme]
+
+
+def _spec(scheme: str, options: dict[str, Any], setting: list[tuple[Any, Any]], label: str) -> SchemeSpec:
+    from ..kv.layer_bits import format_spec
+
+    opts = {k: v for k, v in options.items() if k not in ("bits", "key_bits", "value_bits", "key_type", "value_type",
+                                                           "layer_bits")}
+    opts["layer_bits"] = format_spec(setting)
+    return SchemeSpec(label, scheme, tuple(sorted(opts.items())))
+
+
+def knapsack(costs: list[list[float]], sizes: list[list[float]], limit: float, grid: int = GRID) -> list[int] | None:
+    """For each unit ``u`` a level ``i`` minimising ``sum sizes[u][i]`` with ``sum costs[u][i] <= limit``
+    (costs >= 0, rounded up to ``limit / grid`` steps: never optimistic). None when nothing fits."""
+    if limit < 0:
+        return None
+    step = limit / grid if limit > 0 else 1.0
+    inf = math.inf
+    best = [0.0] + [inf] * grid  # best[j]: fewest bytes with total cost exactly j steps
+    picks: list[list[int]] = []
+    for cu, su in zip(costs, sizes):
+        new = [inf] * (grid + 1)
+        arg = [-1] * (grid + 1)
+        for i, (c, s) in enumerate(zip(cu, su)):
+            k = 0 if c <= 0 else (math.ceil(c / step - 1e-9) if limit > 0 else grid + 1)
+            if k > grid:
+                continue
+            for j in range(grid + 1 - k):
+                if best[j] + s < new[j + k]:
+                    new[j + k] = best[j] + s
+                    arg[j + k] = i * (grid + 1) + j
+        best = new
+        picks.append(arg)
+    j = min(range(grid + 1), key=lambda x: best[x])
+    if best[j] == inf:
+        return None
+    out = []
+    for arg in reversed(picks):
+        i, j = divmod(arg[j], grid + 1)
+        out.append(i)
+    return out[::-1]
+
+
+def _units(layers: int, split: bool) -> list[tuple[int, int]]:
+    return [(layer, side) for layer in range(layers) for side in ((0, 1) if split else (0,))]
+
+
+def _setting(levels: dict[tuple[int, int], Any], layers: int, split: bool) -> list[tuple[Any, Any]]:
+    return [(levels[(layer, 0)], levels[(layer, 1)] if split else levels[(layer, 0)]) for layer in range(layers)]
+
+
+def _layers(model: Any, scheme: str) -> int:
+    from ..converters import convert
+    from ..kv.schemes import scheme as get
+
+    conv, rep = convert(model, scheme=scheme)
+    s = get(scheme)
+    return len(rep.attentions) if s.rewrite == "attention" else len(rep.caches) // 2
+
+
+def _unit_bytes(uniform: dict[tuple[Any, Any], Candidate], ladder: Sequence[Any], layers: int,
+                split: bool) -> dict[tuple[int, int, Any], float]:
+    """Bytes of each unit at each level, from the KV ops' byte counts of the uniform runs."""
+    out: dict[tuple[int, int, Any], float] = {}
+    for lv in ladder:
+        cand = uniform[(lv, lv)]
+        ops = [o for o in cand.figures().get("kv_ops", []) if o["op"] != "tract_transformers_dyn_kv_cache"]
+        if not ops:
+            raise InputError(f"--auto-bits: the uniform run at {lv} failed: {cand.row.reason if cand.row else '?'}")
+        if len(ops) == layers:  # one fused op a layer: keys and values halves
+            per = [(o["bytes"] / 2, o["bytes"] / 2) for o in ops]
+        else:  # one cache op per layer and role, in graph order; the role from the node's name
+            per = []
+            for i in range(layers):
+                a, b = ops[2 * i], ops[2 * i + 1]
+                if "value" in a["node"] and "value" not in b["node"]:
+                    a, b = b, a
+                per.append((a["bytes"], b["bytes"]))
+        for layer in range(layers):
+            if split:
+                out[(layer, 0, lv)], out[(layer, 1, lv)] = per[layer]
+            else:
+                out[(layer, 0, lv)] = per[layer][0] + per[layer][1]
+    return out
+
+
+def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max_kl: float,
+              copts: CompareOptions, label: str, jobs: int | None = None, ray: str | None = None,
+              names: dict[str, str] | None = None, show_progress: bool | None = None,
+              cache: dict[str, SchemeRow] | None = None, match_uniform: bool = False) -> AutoBitsResult:
+    """Choose ``--layer-bits`` for ``scheme`` (see the module docstring). ``cache``: rows measured by an
+    earlier call on the same model, text, context and options (a sweep over budgets measures each once).
+    ``match_uniform``: the target is also the best uniform setting's KL (never worse than it), not only
+    the budget."""
+    from .jobs import connect_ray, shutdown_ray
+
+    if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
+        raise InputError(f"--max-kl {max_kl}: a mean KL budget > 0 (nats) is expected")
+    if copts.contexts is not None and len(copts.contexts) != 1:
+        raise InputError(f"--context {','.join(map(str, copts.contexts))}: --auto-bits chooses for one context")
+    ladder, split = _ladder(scheme, options)
+    layers = _layers(model, scheme)
+    if ray is not None:
+        connect_ray(ray)  # an unreachable cluster is refused before any work
+    try:
+        return _search(model, source, scheme, options, max_kl, copts, label, jobs, ray, names, show_progress,
+                       cache, match_uniform, ladder, split, layers)
+    finally:
+        shutdown_ray(ray)
+
+
+def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_kl: float, copts: CompareOptions,
+            label: str, jobs: int | None, ray: str | None, names: dict[str, str] | None, show_progress: bool | None,
+            cache: dict[str, SchemeRow] | None, match_uniform: bool, ladder: tuple[Any, ...], split: bool,
+            layers: int) -> AutoBitsResult:
+    from .compare import run_job
+    from .jobs import run_tasks
+
+    job, notes = prepare(model, source, copts, label, names)
+    ctx = job.contexts[0]
+    steps = job_steps(copts, job.contexts)
+
+    memo = {} if cache is None else cache  # layer_bits text -> row: measured once across calls
+    where = ["(everything from the cache)"]
+
+    def run(cands: list[Candidate]) -> str:
+        todo = [c for c in cands if _spec(scheme, options, c.setting, "").kwargs["layer_bits"] not in memo]
+        if todo:
+            specs = [_spec(scheme, options, c.setting, c.label) for c in todo]
+            rows, where[0] = run_tasks(run_job, job, specs, [c.label for c in todo], jobs=jobs, ray=ray,
+                                       steps=steps, show_progress=show_progress, title="auto-bits",
+                                       on_error=worker_died, keep_ray=True)
+            for sp, r in zip(specs, rows):
+                memo[sp.kwargs["layer_bits"]] = r
+        for c in cands:
+            c.row = memo[_spec(scheme, options, c.setting, "").kwargs["layer_bits"]]
+        return where[0]
+
+    top = ladder[-1]
+    pairs = [(k, v) for k in ladder for v in (ladder if split else (None,))]
+    uniform = {(k, v if split else k): Candidate(f"uniform {k}" + (f"/{v}" if split and v != k else ""),
+                                                 [(k, v if split else k)] * layers) for k, v in pairs}
+    units = _units(layers, split)
+    sens: dict[tuple[int, int, Any], Candidate] = {}
+    for layer, side in units:
+        for lv in ladder[:-1]:
+            lv_map = {u: top for u in units}
+            lv_map[(layer, side)] = lv
+            what = ("keys" if side == 0 else "values") if split else "keys+values"
+            sens[(layer, side, lv)] = Candidate(f"layer {layer} {what} at {lv}", _setting(lv_map, layers, split))
+    runner = run(list(uniform.values()) + list(sens.values()))
+    ok = [c for (k, v), c in uniform.items() if c.kl <= max_kl and k == v]
+    best_u = min(ok, key=lambda c: (c.kv_bytes, c.kl)) if ok else None
+    pairs_ok = [c for c in uniform.values() if c.kl <= max_kl]
+    best_pair = min(pairs_ok, key=lambda c: (c.kv_bytes, c.kl)) if pairs_ok and split else None
+    target = min(max_kl, best_u.kl) if best_u is not None and match_uniform else max_kl
+    base = uniform[(top, top)].kl
+    dkl = {k: max(0.0, c.kl - base) for k, c in sens.items()}
+    ubytes = _unit_bytes(uniform, ladder, layers, split)
+    res = AutoBitsResult(scheme, options, max_kl, target, ctx, copts.eval_tokens, layers, split, ladder,
+                         list(uniform.values()), dkl, [], best_u, None, best_pair, notes, runner)
+    if not math.isfinite(base) or base > target:
+        res.notes.append(f"the most precise uniform setting ({top}) has KL {base:.4g}, above the target "
+                         f"{target:.4g}: no setting meets the budget")
+        res.chosen = best_u
+        return res
+    costs = [[dkl[(layer, side, lv)] if lv != top else 0.0 for lv in ladder] for layer, side in units]
+    sizes = [[ubytes[(layer, side, lv)] for lv in ladder] for layer, side in units]
+    allowed = target - base
+    tried: set[tuple] = set()
+    good_f, bad_f = 0.0, math.inf  # the largest limit factor measured within the target, the smallest above it
+    factors = [1.0, 0.7]
+    for rnd in range(ROUNDS):
+        cands = []
+        for f in factors:
+            pick = knapsack(costs, sizes, allowed * f)
+            if pick is None:
+                continue
+            setting = _setting({u: ladder[i] for u, i in zip(units, pick)}, layers, split)
+            if tuple(setting) in tried:
+                continue
+            tried.add(tuple(setting))
+            cands.append((f, Candidate(f"round {rnd + 1}, predicted-KL limit x {f:.3g}", setting)))
+        if not cands:  # the knapsack gives settings already measured: nothing new to learn
+            break
+        run([c for _, c in cands])
+        res.rounds += [c for _, c in cands]
+        for f, c in cands:
+            if c.kl <= target:
+                good_f = max(good_f, f)
+            else:
+                bad_f = min(bad_f, f)
+        if math.isinf(bad_f):  # every candidate within the target: the first-order model is pessimistic, go up
+            top_f = max(max(factors), good_f)
+            factors = [top_f * 1.6, top_f * 2.5]
+        elif good_f == 0.0:  # every candidate above: go down
+            factors = [bad_f * 0.6, bad_f * 0.35]
+        else:  # between the two
+            factors = [good_f + (bad_f - good_f) / 3, good_f + 2 * (bad_f - good_f) / 3]
+    # the cheapest setting measured within the target: a per-layer candidate, or a uniform one
+    within = [c for c in res.rounds + res.uniform + list(sens.values()) if c.kl <= target]
+    res.chosen = min(within, key=lambda c: (c.kv_bytes, c.kl, c not in res.rounds)) if within else None
+    if res.chosen is not None and res.chosen not in res.rounds:
+        res.notes.append(f"no per-layer candidate measured within the target held fewer bytes than the "
+                         f"measured setting '{res.chosen.label}', which is chosen")
+    return res

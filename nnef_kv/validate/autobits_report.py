@@ -1,0 +1,111 @@
+"""The report of ``convert --auto-bits``: the budget and target, every uniform setting measured, the
+sensitivity of each layer's keys and values, the candidates verified, and the choice against the best
+uniform setting (text for the terminal, report.md, report.json)."""
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from .autobits import AutoBitsResult, Candidate
+from .compare import finite
+from .report import _json_safe
+
+__all__ = ["render_text", "render_markdown", "render_json"]
+
+
+def _row(c: Candidate, target: float) -> list[str]:
+    f = c.figures()
+    kl = c.kl
+    return [c.label, f"{int(c.kv_bytes):,}" if finite(c.kv_bytes) else "-",
+            f"{f['bits_per_value']:.2f}" if finite(f.get("bits_per_value")) else "-",
+            f"{kl:.4g}" if finite(kl) else ("failed: " + (c.row.reason if c.row else "?"))[:90],
+            f"{f['kl_p99']:.4g}" if finite(f.get("kl_p99")) else "-",
+            f"{100 * f['top1_agreement']:.1f}" if finite(f.get("top1_agreement")) else "-",
+            "yes" if finite(kl) and kl <= target else "no"]
+
+
+HEAD = ["setting", "KV bytes", "bits/value", "KL mean", "KL p99", "same top %", "within target"]
+
+
+def _table(rows: list[list[str]]) -> str:
+    widths = [max(len(x) for x in col) for col in zip(HEAD, *rows)]
+    lines = ["  ".join(x.ljust(w) for x, w in zip(HEAD, widths)), "  ".join("-" * w for w in widths)]
+    lines += ["  ".join(x.ljust(w) for x, w in zip(r, widths)) for r in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _summary(res: AutoBitsResult) -> list[str]:
+    out = [f"scheme {res.scheme}, {res.layers} layers, ladder {', '.join(map(str, res.ladder))}"
+           f"{' (keys and values apart)' if res.split else ''}; context {res.context}, {res.eval_tokens} predictions",
+           f"budget --max-kl {res.budget:g}; target {res.target:.4g}"
+           + (" (the best uniform setting's KL: --match-uniform-kl)" if res.target < res.budget else " (the budget)")]
+    bu, ch = res.best_uniform, res.chosen
+    out.append(f"best uniform setting within the budget: {bu.label}, {int(bu.kv_bytes):,} bytes, KL {bu.kl:.4g}"
+               if bu is not None else "no uniform setting is within the budget")
+    bp = res.best_pair
+    if bp is not None:
+        out.append(f"best uniform KEY/VALUE pair within the budget: {bp.label}, {int(bp.kv_bytes):,} bytes, "
+                   f"KL {bp.kl:.4g}")
+    if ch is not None:
+        out.append(f"chosen: --layer-bits {res.layer_bits}: {int(ch.kv_bytes):,} bytes, KL {ch.kl:.4g}"
+                   + (f" ({100 * res.saving():.1f}% fewer KV bytes than the best uniform setting" if res.saving()
+                      is not None else "")
+                   + (f", {100 * res.saving(bp):.1f}% than the best uniform pair)" if bp is not None and
+                      res.saving() is not None else (")" if res.saving() is not None else "")))
+    out += [f"note: {n}" for n in res.notes]
+    return out
+
+
+def render_text(res: AutoBitsResult) -> str:
+    rows = [_row(c, res.target) for c in res.uniform]
+    lines = ["auto-bits: " + _summary(res)[0]] + ["  " + s for s in _summary(res)[1:]]
+    lines += ["uniform settings:", _table(rows), "candidates verified:",
+              _table([_row(c, res.target) for c in res.rounds])]
+    return "\n".join(lines)
+
+
+def _md_table(rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(HEAD) + " |", "|" + "---|" * len(HEAD)] + ["| " + " | ".join(r) + " |" for r in rows]
+
+
+def render_markdown(res: AutoBitsResult) -> str:
+    lines = ["# nnef-kv convert --auto-bits", ""] + [f"- {s}" for s in _summary(res)]
+    lines += [f"- ran on: {res.runner}", "- method: nnef_kv/validate/autobits.py (uniform baselines, per-unit "
+              "sensitivity from the most precise setting, exact multiple-choice knapsack on the predicted KL, "
+              "candidates verified by measuring)", "", "## Uniform settings", ""]
+    lines += _md_table([_row(c, res.target) for c in res.uniform])
+    lines += ["", "## Sensitivity: dKL when one unit alone is lowered from the most precise setting", ""]
+    levels = res.ladder[:-1]
+    lines += ["| layer | " + " | ".join(f"{lv}" for lv in levels) + " |", "|---|" + "---|" * len(levels)]
+    for layer in range(res.layers):
+        for side in ((0, 1) if res.split else (0,)):
+            what = ("keys" if side == 0 else "values") if res.split else "keys+values"
+            vals = [res.sensitivity.get((layer, side, lv)) for lv in levels]
+            lines.append(f"| {layer} {what} | " + " | ".join(f"{v:.3g}" if finite(v) else "-" for v in vals) + " |")
+    lines += ["", "## Candidates verified", ""] + _md_table([_row(c, res.target) for c in res.rounds])
+    if res.chosen is not None:
+        lines += ["", f"Chosen: `--layer-bits {res.layer_bits}`", ""]
+    return "\n".join(lines) + "\n"
+
+
+def _cand(c: Candidate | None) -> Any:
+    if c is None:
+        return None
+    f = c.figures()
+    return {"label": c.label, "layer_bits": [list(x) for x in c.setting], "status": c.row.status if c.row else None,
+            "reason": c.row.reason if c.row else "", "kv_bytes": f.get("kv_bytes"), "kl_mean": f.get("kl_mean"),
+            "kl_p99": f.get("kl_p99"), "ppl_ratio": f.get("ppl_ratio"), "top1_agreement": f.get("top1_agreement"),
+            "bits_per_value": f.get("bits_per_value")}
+
+
+def render_json(res: AutoBitsResult) -> str:
+    d = {"format": "nnef-kv-auto-bits", "version": 1, "scheme": res.scheme, "options": res.options,
+         "budget": res.budget, "target": res.target, "context": res.context, "eval_tokens": res.eval_tokens,
+         "layers": res.layers, "split": res.split, "ladder": list(res.ladder), "layer_bits": res.layer_bits,
+         "saving_vs_best_uniform": res.saving(), "best_uniform": _cand(res.best_uniform), "chosen": _cand(res.chosen),
+         "best_uniform_pair": _cand(res.best_pair), "saving_vs_best_uniform_pair": res.saving(res.best_pair),
+         "uniform": [_cand(c) for c in res.uniform], "candidates": [_cand(c) for c in res.rounds],
+         "sensitivity": [{"layer": k[0], "side": ("keys", "values")[k[1]] if res.split else "keys+values",
+                          "level": k[2], "dkl": v} for k, v in res.sensitivity.items()],
+         "notes": res.notes, "runner": res.runner}
+    return json.dumps(_json_safe(d), indent=1)

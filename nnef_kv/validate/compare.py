@@ -1,0 +1,367 @@
+"""``nnef-kv compare``: every KV scheme on one f32 archive and one text, side by side.
+
+For each scheme of ``--schemes`` (``kivi:4``, ``q4_0/q8_0``, ``hf:2+backend=hqq``, ``tract``...; see
+:func:`parse_spec`) the f32 archive is converted in memory and measured by ``validate``'s machinery
+(:func:`~.runner.validate_model`): the same contexts, prefill, stepwise teacher forcing, KL / ppl /
+top-1 figures, quantized-entries-read counts and KV bytes held, against one reference run of the f32
+archive shared by every scheme. Each scheme is an independent job (:mod:`.jobs`: a process pool or
+Ray); a scheme that fails (refused by the converter, an op that cannot run the model, a context that
+reads nothing quantized) is a row saying why, never an abort. Rows are ordered by KV bytes held at the
+largest context. Whether tract 0.23.9 loads and runs each converted archive is measured, not assumed:
+validate's parity run for archives of tract's ops, a load attempt for the others."""
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from ..errors import InputError, NnefKvError
+from .results import Measurement, ValidateOptions
+
+__all__ = ["SchemeSpec", "parse_spec", "parse_specs", "DEFAULT_SCHEMES", "CompareOptions", "SchemeRow",
+           "CompareReport", "JobInput", "run_job", "compare_model", "ROW_KEYS"]
+
+#: the default ``--schemes``: each registered scheme at the settings people use
+DEFAULT_SCHEMES = ("kivi:8,kivi:4,kivi:2,kivi:4/2,kivi:4+key_axis=token,q8_0,q5_1,q5_0,q4_1,q4_0,q4_0/q8_0,"
+                   "hf:4,hf:2,tract,tract-cache:8,tract-cache:4")
+#: the per-context keys of a row in report.json (with ``scheme``, ``status``, ``tract_runs``)
+ROW_KEYS = ("bits_per_value", "kv_bytes", "kv_bytes_used", "kv_bytes_f32", "kv_ratio", "kl_mean", "kl_mean_stderr",
+            "kl_p99", "ppl_ratio", "top1_agreement", "tokens_reading_quantized", "quantized_tokens",
+            "full_precision_tokens", "eval_tokens")
+
+
+# ---------------------------------------------------------------------------------------------- specs
+@dataclass(frozen=True)
+class SchemeSpec:
+    """One entry of ``--schemes``: the text as written, the registry scheme and its options."""
+
+    text: str
+    scheme: str
+    options: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def kwargs(self) -> dict[str, Any]:
+        return dict(self.options)
+
+
+def _value(text: str) -> Any:
+    try:
+        return int(text)
+    except ValueError:
+        return text
+
+
+def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
+    """``NAME[:SETTING][+option=value...]``.
+
+    ``NAME`` is a registered scheme (``kivi``, ``tract``, ``tract-cache``, ``ggml``, ``hf``) or a llama.cpp
+    cache type (``q8_0``: scheme ``ggml`` with that type for keys and values). ``SETTING`` is the bits
+    (``kivi:4``, ``hf:2``, ``tract-cache:8``), ``KEY/VALUE`` bits for kivi (``kivi:4/2``), or the cache
+    types for ggml (``ggml:q4_0/q8_0``, also written ``q4_0/q8_0``). ``+option=value`` sets any option of
+    the scheme by its ``convert`` name (``kivi:4+residual=64+key_axis=token``, ``hf:4+backend=hqq``; a
+    ``;`` in a value is a comma: ``kivi+layer_bits=8;4/2;4``).
+    Checked against the scheme's own rules (one line naming the entry)."""
+    from ..kv import schemes as S
+    from ..kv.ggml_sdpa import CACHE_TYPES
+
+    raw = text.strip()
+    if not raw:
+        raise InputError(f"{flag}: an empty entry")
+    head, *extras = raw.split("+")
+    name, _, setting = head.partition(":")
+    name = name.strip().lower()
+    opts: dict[str, Any] = {}
+    if name.split("/")[0] in CACHE_TYPES:  # q4_0, q4_0/q8_0
+        setting, name = name, "ggml"
+    if name not in S.SCHEMES:
+        raise InputError(f"{flag} {raw!r}: unknown scheme {name!r} (schemes: {', '.join(S.SCHEMES)}; or a llama.cpp "
+                         f"cache type: {', '.join(CACHE_TYPES)})")
+    if setting:
+        halves = setting.split("/")
+        if len(halves) > 2:
+            raise InputError(f"{flag} {raw!r}: at most one '/' (KEY/VALUE)")
+        if name == "ggml":
+            opts["key_type"], opts["value_type"] = halves[0], halves[-1]
+        else:
+            try:
+                bits = [int(h) for h in halves]
+            except ValueError:
+                raise InputError(f"{flag} {raw!r}: {setting!r} is not a bit width (or KEY/VALUE bits)") from None
+            if len(bits) == 2 and name != "kivi":
+                raise InputError(f"{flag} {raw!r}: KEY/VALUE bits are for kivi (scheme {name} has one bit width)")
+            opts["bits"] = bits[0]
+            if len(bits) == 2 and bits[1] != bits[0]:
+                opts["value_bits"] = bits[1]
+    for ex in extras:
+        k, eq, v = ex.partition("=")
+        if not eq or not k.strip():
+            raise InputError(f"{flag} {raw!r}: {ex!r} is not option=value")
+        opts[k.strip().replace("-", "_")] = _value(v.strip().replace(";", ","))  # layer_bits=8;4;4 (commas split)
+    scheme = S.scheme(name)
+    unknown = [k for k in opts if k not in scheme.option_names]
+    if unknown:
+        raise InputError(f"{flag} {raw!r}: scheme {name} has no option {unknown[0]!r} (it takes "
+                         f"{', '.join(scheme.option_names)})")
+    try:
+        scheme.validate(opts)
+    except NnefKvError as exc:
+        raise InputError(f"{flag} {raw!r}: {exc}") from None
+    return SchemeSpec(raw, name, tuple(sorted(opts.items())))
+
+
+def parse_specs(text: str | Sequence[str], flag: str = "--schemes") -> list[SchemeSpec]:
+    parts = [p for p in (text.split(",") if isinstance(text, str) else list(text)) if p.strip()]
+    if not parts:
+        raise InputError(f"{flag}: no scheme given")
+    specs = [parse_spec(p, flag) for p in parts]
+    seen: set[str] = set()
+    for s in specs:
+        if s.text in seen:
+            raise InputError(f"{flag}: {s.text!r} given twice")
+        seen.add(s.text)
+    return specs
+
+
+# ---------------------------------------------------------------------------------------------- results
+@dataclass
+class CompareOptions:
+    contexts: list[int] | None = None
+    eval_tokens: int = 64
+    chunk: int | None = None
+    tract: bool = True  # measure whether tract loads and runs each converted archive
+
+    def validate_options(self, contexts: list[int]) -> ValidateOptions:
+        return ValidateOptions(contexts=contexts, eval_tokens=self.eval_tokens, chunk=self.chunk, parity=self.tract,
+                               round_trip=False)
+
+
+@dataclass
+class SchemeRow:
+    """One scheme: ``status`` ``measured``, ``not measured`` (a context read nothing quantized: its
+    figures would say nothing about the scheme) or ``failed`` (``reason``)."""
+
+    scheme: str
+    status: str
+    reason: str = ""
+    settings: str = ""  # the KV op settings as validate reports them
+    per_context: list[dict[str, Any]] = field(default_factory=list)
+    tract_runs: bool | None = None
+    tract_detail: str = ""
+    seconds: float = 0.0
+
+    def at(self, context: int) -> dict[str, Any]:
+        return next((c for c in self.per_context if c["context"] == context), {})
+
+    def sort_key(self) -> tuple:
+        rank = {"measured": 0, "not measured": 1, "failed": 2}[self.status]
+        last = self.per_context[-1] if self.per_context else {}
+        kl = last.get("kl_mean")
+        return (rank, last.get("kv_bytes", math.inf), kl if kl is not None else math.inf, self.scheme)
+
+    def to_dict(self, contexts: list[int]) -> dict[str, Any]:
+        d: dict[str, Any] = {"scheme": self.scheme, "status": self.status, "reason": self.reason,
+                             "settings": self.settings, "tract_runs": self.tract_runs,
+                             "tract_detail": self.tract_detail,
+                             "contexts": list(contexts), "per_context": self.per_context, "seconds": self.seconds}
+        for k in ROW_KEYS:
+            vals = {str(c): self.at(c).get(k) for c in contexts}
+            d[k] = vals[str(contexts[0])] if len(contexts) == 1 else vals
+        return d
+
+
+@dataclass
+class CompareReport:
+    archive: str
+    tokens: str
+    contexts: list[int]
+    eval_tokens: int
+    rows: list[SchemeRow]
+    notes: list[str] = field(default_factory=list)
+    runner: str = ""  # "process pool (N workers)" / "ray ..."
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": "nnef-kv-compare", "version": 1, "archive": self.archive, "tokens": self.tokens,
+                "contexts": self.contexts, "eval_tokens": self.eval_tokens, "notes": self.notes,
+                "runner": self.runner, "seconds": self.seconds,
+                "rows": [r.to_dict(self.contexts) for r in self.rows]}
+
+
+# ---------------------------------------------------------------------------------------------- one job
+@dataclass
+class JobInput:
+    """What one scheme's job needs (pickled to a worker, or put once in Ray's object store)."""
+
+    model: Any  # the f32 Model
+    ids: list[int]
+    tokens: str  # where the ids came from
+    options: CompareOptions
+    contexts: list[int]
+    reference_runs: dict[int, Measurement]
+
+
+def _context_figures(res: Any) -> dict[str, Any]:
+    s = res.summary()
+    out = {"context": res.context}
+    for k in ROW_KEYS:
+        if k != "bits_per_value":
+            out[k] = s.get(k)
+    f32 = s.get("kv_bytes_f32") or 0
+    out["bits_per_value"] = 32.0 * s["kv_bytes"] / f32 if f32 else None
+    out["tokens_reading_quantized"] = res.reads_quantized
+    out["kv_ops"] = [{"node": c["node"], "op": c["op"], "bytes": c["bytes"], "bytes_f32": c["bytes_f32"]}
+                     for c in res.archive.census]
+    return out
+
+
+def _tract_loads(model: Any) -> tuple[bool | None, str]:
+    """Does tract 0.23.9 load (and run one call of) this archive? Tried, not assumed."""
+    from .decode import TractDecoder, detect_signature, tract_available
+
+    if not tract_available():
+        return None, "tract is not installed"
+    try:
+        dec = TractDecoder(model, detect_signature(model.session().plan))  # a temporary archive of the model
+        dec.prefill([0, 1])
+        return True, "loads and runs (one call tried)"
+    except BaseException as exc:  # tract's errors (pyo3 panics are BaseException)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        import re
+
+        text = str(exc).split("Stack backtrace", 1)[0]
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip() and ln.strip() != "Caused by:"]
+        lines = [re.sub(r"^\d+: ", "", ln) for ln in lines if "opening file" not in ln]  # not the temporary copy
+        return False, f"tract refuses it: {' / '.join(lines) or type(exc).__name__}"
+
+
+def _tract_of(rep: Any, converted: Any, options: CompareOptions) -> tuple[bool | None, str]:
+    p = rep.parity
+    if not options.tract:
+        return None, "not tried (--no-tract)"
+    if p is None:
+        return None, "not run"
+    if p.status == "ok":
+        return True, f"runs; logits within tolerance of nnef-kv's (max |diff| {p.max_abs:.3g})"
+    if p.status == "mismatch":
+        return True, f"runs; logits differ from nnef-kv's: {p.reason}"
+    if p.status == "error":
+        return False, p.reason
+    if "not installed" in p.reason:
+        return None, p.reason
+    return _tract_loads(converted)
+
+
+def run_job(job: JobInput, spec: SchemeSpec, progress: Callable[[], None] | None = None) -> SchemeRow:
+    """Convert ``job.model`` under ``spec`` and measure it; every failure becomes the row's reason."""
+    from ..converters import convert
+    from ..text import TokenSource
+    from .runner import validate_model
+
+    t0 = time.perf_counter()
+    row = SchemeRow(spec.text, "failed")
+    tick = progress or (lambda: None)
+    try:
+        converted, _ = convert(job.model, scheme=spec.scheme, **spec.kwargs)
+    except NnefKvError as exc:
+        row.reason = f"convert: {exc}"
+        return row
+    except Exception as exc:  # a bug: still a row, named
+        row.reason = f"convert: internal error: {type(exc).__name__}: {exc}"
+        return row
+    tick()
+    source = TokenSource(ids=list(job.ids), option="--text", description=job.tokens)
+    try:
+        rep = validate_model(converted, job.model, source, job.options.validate_options(job.contexts),
+                             progress=tick, reference_runs=dict(job.reference_runs))
+    except NnefKvError as exc:
+        row.reason = f"measure: {exc}"
+        row.seconds = time.perf_counter() - t0
+        return row
+    except Exception as exc:
+        row.reason = f"measure: internal error: {type(exc).__name__}: {exc}"
+        row.seconds = time.perf_counter() - t0
+        return row
+    row.settings = rep.scheme
+    row.per_context = [_context_figures(res) for res in rep.contexts]
+    row.tract_runs, row.tract_detail = _tract_of(rep, converted, job.options)
+    vacuous = [c for c in rep.checks if c.name.startswith("quantized entries read") and not c.ok]
+    row.status, row.reason = ("not measured", vacuous[0].detail) if vacuous else ("measured", "")
+    row.seconds = time.perf_counter() - t0
+    tick()
+    return row
+
+
+def worker_died(spec: SchemeSpec, exc: BaseException) -> SchemeRow:
+    """The row of a scheme whose job's worker process died (its own errors are caught in :func:`run_job`)."""
+    text = str(exc).splitlines()[0] if str(exc) else ""
+    why = f"the job's worker died: {type(exc).__name__}" + (f": {text}" if text else "")
+    return SchemeRow(spec.text, "failed", why)
+
+
+def job_steps(options: CompareOptions, contexts: list[int]) -> int:
+    """Progress steps of one job: convert, the prefill and the stepwise run of each context, tract, done."""
+    return 2 + 2 * len(contexts) + (2 if options.tract else 0)
+
+
+# ---------------------------------------------------------------------------------------------- all of it
+def prepare(model: Any, source: Any, options: CompareOptions, label: str,
+            names: dict[str, str] | None = None) -> tuple[JobInput, list[str]]:
+    """The checks made before any job (one line each), the contexts and the reference runs."""
+    from .runner import _decoder, _measure, max_positions, resolve_contexts, vocab_size
+
+    ref_dec = _decoder(model, capture=True, what=label)
+    held = ref_dec.quantized_ops()
+    if held:
+        raise InputError(f"{label}: holds a quantized KV cache already ({held[0][0].op} '{held[0][0].name}'): "
+                         f"compare converts the f32 archive")
+    vo = ValidateOptions(contexts=options.contexts, eval_tokens=options.eval_tokens, chunk=options.chunk).check(names)
+    source.check_vocabulary(vocab_size(ref_dec.session, ref_dec.sig))
+    contexts, notes = resolve_contexts(vo, len(source.ids), max_positions(ref_dec.session), [], names)
+    runs = {c: _measure(ref_dec, source.ids, c, options.eval_tokens, options.chunk, None) for c in contexts}
+    return JobInput(_portable(model), list(source.ids), source.description, options, contexts, runs), \
+        list(source.notes) + notes
+
+
+def _portable(model: Any) -> Any:
+    """``model`` without the plan the session cached on it (kernels are closures: the plan stays here)."""
+    import copy
+
+    clean = copy.copy(model)
+    getattr(clean, "__dict__", {}).pop("_nnef_kv_plan", None)
+    return clean
+
+
+def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options: CompareOptions | None = None,
+                  label: str = "<in memory>", jobs: int | None = None, ray: str | None = None,
+                  names: dict[str, str] | None = None, show_progress: bool | None = None) -> CompareReport:
+    """Measure every scheme of ``specs`` on ``model`` (the f32 Model) with the tokens of ``source``."""
+    from .jobs import connect_ray, run_tasks
+
+    o = options or CompareOptions()
+    t0 = time.perf_counter()
+    if ray is not None:
+        connect_ray(ray)  # an unreachable cluster is refused before any work
+    job, notes = prepare(model, source, o, label, names)
+    rows, runner = run_tasks(run_job, job, list(specs), [s.text for s in specs], jobs=jobs, ray=ray,
+                             steps=job_steps(o, job.contexts), show_progress=show_progress, title="compare",
+                             on_error=worker_died)
+    rows.sort(key=SchemeRow.sort_key)
+    return CompareReport(archive=label, tokens=source.description, contexts=job.contexts, eval_tokens=o.eval_tokens,
+                         rows=rows, notes=notes, runner=runner, seconds=time.perf_counter() - t0)
+
+
+def pareto_front(points: list[tuple[float, float]]) -> list[bool]:
+    """For (bytes, kl) points: True where no other point has bytes <= and kl <= with one strictly lower."""
+    out = []
+    for i, (b, k) in enumerate(points):
+        dominated = any((b2 <= b and k2 <= k) and (b2 < b or k2 < k) for j, (b2, k2) in enumerate(points) if j != i)
+        out.append(not dominated)
+    return out
+
+
+def finite(x: Any) -> bool:
+    return isinstance(x, (int, float, np.floating)) and math.isfinite(float(x))

@@ -1,0 +1,103 @@
+"""``convert --auto-bits``: the knapsack against brute force, the whole command on the trained fixture
+decoder (archive and report written, the choice within the target, never more bytes than the best
+uniform setting, its figures reproduced by validating the written archive), and refusals."""
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from nnef_kv.cli import main
+from nnef_kv.validate.autobits import knapsack
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINED = ROOT / "tests" / "fixtures" / "trained_llama" / "model.nnef.tgz"
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_knapsack_is_the_brute_force_optimum(seed):
+    rng = np.random.default_rng(seed)
+    units, levels = int(rng.integers(1, 5)), int(rng.integers(2, 5))
+    sizes = [sorted(rng.uniform(1, 10, levels).tolist()) for _ in range(units)]  # cheaper levels first
+    costs = [sorted(rng.uniform(0, 1, levels).tolist(), reverse=True) for _ in range(units)]
+    for c in costs:
+        c[-1] = 0.0
+    limit = float(rng.uniform(0, units * 0.6))
+    got = knapsack(costs, sizes, limit)
+    best = None
+    for pick in itertools.product(range(levels), repeat=units):
+        if sum(costs[u][i] for u, i in enumerate(pick)) <= limit:
+            s = sum(sizes[u][i] for u, i in enumerate(pick))
+            best = s if best is None else min(best, s)
+    assert got is not None and best is not None
+    assert sum(costs[u][i] for u, i in enumerate(got)) <= limit + 1e-12  # never optimistic
+    # the grid rounds costs up: the optimum of a slightly smaller limit is never missed by more
+    tight = min(sum(sizes[u][i] for u, i in enumerate(p)) for p in itertools.product(range(levels), repeat=units)
+                if sum(costs[u][i] for u, i in enumerate(p)) <= limit * (1 - 2 * units / 4000))
+    assert best <= sum(sizes[u][i] for u, i in enumerate(got)) <= tight + 1e-9
+
+
+def test_knapsack_nothing_fits():
+    assert knapsack([[1.0, 0.5]], [[1.0, 2.0]], 0.1) is None
+    assert knapsack([[1.0, 0.0]], [[1.0, 2.0]], 0.0) == [1]
+
+
+@pytest.mark.parametrize("match", [False, True])
+def test_auto_bits_on_the_trained_decoder(tmp_path, capsys, match):
+    out = tmp_path / "auto.nnef.tgz"
+    rd = tmp_path / "rep"
+    rc = main(["convert", str(TRAINED), "-o", str(out), "--scheme", "tract-cache", "--auto-bits", "--max-kl", "0.004",
+               "--context", "160", "--eval-tokens", "16", "--jobs", "2", "--report-dir", str(rd)]
+              + (["--match-uniform-kl"] if match else []))
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    assert out.exists() and sorted(p.name for p in rd.iterdir()) == ["report.json", "report.md"]
+    rep = json.loads((rd / "report.json").read_text())
+    assert rep["scheme"] == "tract-cache" and rep["layers"] == 4 and rep["split"]
+    assert len(rep["uniform"]) == 4 and len(rep["sensitivity"]) == 8  # 2 x 2 uniform pairs; 4 layers x K, V x 4 bits
+    bu, ch = rep["best_uniform"], rep["chosen"]
+    assert bu is not None and ch is not None
+    assert bu["kl_mean"] <= 0.004 and rep["target"] == pytest.approx(min(0.004, bu["kl_mean"]) if match else 0.004)
+    assert ch["kl_mean"] <= rep["target"] and ch["kv_bytes"] <= bu["kv_bytes"]
+    measured = rep["uniform"] + rep["candidates"]
+    assert all(c["kv_bytes"] >= ch["kv_bytes"] for c in measured if c["kl_mean"] <= rep["target"])  # the cheapest
+    same = [u for u in rep["uniform"] if "/" not in u["label"]]  # one width for keys and values
+    assert len(same) == 2 and all(u["kv_bytes"] >= bu["kv_bytes"] or u["kl_mean"] > 0.004 for u in same)
+    bp = rep["best_uniform_pair"]  # the cheapest K/V pair within the budget, reported beside it
+    assert bp is not None and all(u["kv_bytes"] >= bp["kv_bytes"] or u["kl_mean"] > 0.004 for u in rep["uniform"])
+    assert "--layer-bits " + rep["layer_bits"] in printed
+    # the written archive is what was measured: validate gives the same figures
+    import nnef_kv
+    from nnef_kv.text import SAMPLE_TEXT, token_source
+    from nnef_kv.validate import ValidateOptions, validate_model
+
+    model = nnef_kv.load(out)
+    nodes = [n for n in model.session().plan.step_nodes if n.op == "tract_transformers_quantized_dyn_kv_cache"]
+    assert len(nodes) == 8
+    src = token_source(text=SAMPLE_TEXT, archive=TRAINED)
+    v = validate_model(model, nnef_kv.load(TRAINED), src, ValidateOptions(contexts=[160], eval_tokens=16,
+                                                                           parity=False, round_trip=False))
+    s = v.contexts[0].summary()
+    assert s["kv_bytes"] == ch["kv_bytes"]
+    assert math.isclose(s["kl_mean"], ch["kl_mean"], rel_tol=1e-3, abs_tol=1e-9)
+
+
+@pytest.mark.parametrize("args,msg", [
+    (["--auto-bits"], "--auto-bits: give the budget, --max-kl X"),
+    (["--auto-bits", "--max-kl", "0"], "--max-kl 0.0: a mean KL budget > 0"),
+    (["--auto-bits", "--max-kl", "0.1", "--scheme", "tract"], "scheme tract has no bit width to choose"),
+    (["--auto-bits", "--max-kl", "0.1", "--layer-bits", "4,4,4,4"], "--layer-bits and --auto-bits: give one"),
+    (["--auto-bits", "--max-kl", "0.1", "--context", "100,200"], "--auto-bits chooses for one context"),
+    (["--max-kl", "0.1"], "--max-kl: only with --auto-bits"),
+    (["--auto-bits", "--max-kl", "0.1", "--jobs", "1", "--ray", "auto"], "--jobs and --ray: give one"),
+])
+def test_auto_bits_refusals_write_nothing(tmp_path, capsys, args, msg):
+    out = tmp_path / "never.nnef.tgz"
+    rc = main(["convert", str(TRAINED), "-o", str(out), *args])
+    err = capsys.readouterr().err
+    assert rc == 2 and msg in err and err.count("\n") == 1, err
+    assert not out.exists() and not list(tmp_path.iterdir())

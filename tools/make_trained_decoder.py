@@ -1,0 +1,126 @@
+"""A small *trained* LLaMA decoder for KV-scheme comparisons: ``tests/fixtures/trained_llama/``.
+
+The shared fixture decoders are random-init with head_dim 16 (llama.cpp's cache types need whole
+blocks of 32 along head_dim, and a random model's predictions are nearly flat). This one is trained,
+byte-level (vocab 256, token id = byte), with head_dim 32, so every scheme runs on it and its
+predictions, attention sinks and key outlier channels come from training.
+
+Two steps (torch only for the first):
+
+    /work/hf-venv/bin/python tools/make_trained_decoder.py train OUT.npz   # transformers LlamaForCausalLM
+    python tools/make_trained_decoder.py build OUT.npz tests/fixtures/trained_llama
+
+``train``: ``LlamaForCausalLM`` (4 layers, hidden 128, 4 query heads / 2 KV heads of 32, MLP 256,
+RoPE theta 10000, RMSNorm eps 1e-5, untied), ``torch.manual_seed(0)``, one torch thread, AdamW
+(lr 3e-3, cosine to 3e-4, weight decay 0.01, 1200 steps of 16 x 256 bytes) on the texts of
+``/usr/share/common-licenses`` (Debian 12; each distinct file once) and ``/usr/share/doc/git/RelNotes``
+(English prose and lists); the sample text shipped with nnef-kv (the Declaration of Independence) is
+held out. ``build``: the weights into :func:`nnef_kv.models.build_decoder_text` (same labels, same
+rotate-half RoPE as HF's LLaMA), written with :func:`nnef_kv.save`, with the byte-level tokenizer and
+the config; the script checks nnef-kv's logits against the PyTorch ones saved by ``train``.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4, 128, 4, 2, 32, 256, 256
+SEQ, BATCH, STEPS, LR = 256, 16, 1200, 3e-3
+
+
+def corpus() -> bytes:
+    seen, parts = set(), []
+    files = sorted(Path("/usr/share/common-licenses").iterdir())
+    files += sorted(Path("/usr/share/doc/git/RelNotes").glob("*.txt"))
+    for p in files:
+        if not p.is_file():
+            continue
+        data = p.resolve().read_bytes()
+        h = hashlib.sha256(data).hexdigest()
+        if h in seen:
+            continue
+        seen.add(h)
+        parts.append(data)
+    return b"\n\n".join(parts)
+
+
+def train(out: str) -> None:
+    import numpy as np
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    data = torch.tensor(np.frombuffer(corpus(), np.uint8).astype(np.int64))
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+                      num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
+                      max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=False, attn_implementation="eager")
+    model = LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, STEPS, eta_min=LR / 10)
+    gen = torch.Generator().manual_seed(1)
+    model.train()
+    for step in range(STEPS):
+        idx = torch.randint(0, len(data) - SEQ - 1, (BATCH,), generator=gen)
+        x = torch.stack([data[i:i + SEQ] for i in idx])
+        loss = model(input_ids=x, labels=x).loss
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if step % 50 == 0 or step == STEPS - 1:
+            print(f"step {step} loss {loss.item():.3f}", flush=True)
+    model.eval()
+    sample = Path(__file__).resolve().parents[1] / "nnef_kv" / "samples" / "texts" / "declaration_of_independence.txt"
+    held = torch.tensor(np.frombuffer(sample.read_bytes()[:512], np.uint8).astype(np.int64))[None]
+    with torch.no_grad():
+        ref = model(input_ids=held).logits[0].numpy()
+        nll = torch.nn.functional.cross_entropy(torch.tensor(ref[:-1]), held[0, 1:]).item()
+    print(f"held-out (sample text, 512 bytes) nll {nll:.3f} nats/byte")
+    weights = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
+    inv = model.model.rotary_emb.inv_freq.detach().numpy().astype(np.float32)
+    np.savez(out, **weights, **{"model.rotary_emb.inv_freq": inv, "_ref_ids": held[0].numpy(),
+                                "_ref_logits": ref, "_heldout_nll": np.float64(nll)})
+
+
+def build(npz: str, out_dir: str) -> None:
+    import numpy as np
+
+    import nnef_kv
+    from nnef_kv.io.archive import Model
+    from nnef_kv.models import DecoderConfig, build_decoder_text
+    from nnef_kv.text import byte_level_tokenizer
+
+    z = np.load(npz)
+    cfg = DecoderConfig(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                        mlp=MLP, name="trained_llama")
+    weights = {k: z[k] for k in z.files if not k.startswith("_")}
+    model = Model.from_text(build_decoder_text(cfg), weights, source=None)
+    ids = z["_ref_ids"]
+    sess = model.session()
+    from nnef_kv.models import empty_cache
+
+    out = sess.run(dict(empty_cache(cfg), input_ids=ids[None].astype(np.int64)))
+    got = np.asarray(out["outputs"]).reshape(-1, VOCAB)
+    err = float(np.abs(got[-1] - z["_ref_logits"][-1]).max())
+    print(f"nnef-kv vs PyTorch, last-position logits: max |diff| {err:.2e}")
+    assert err < 1e-3, err
+    d = Path(out_dir)
+    d.mkdir(parents=True, exist_ok=True)
+    nnef_kv.save(model, d / "model.nnef.tgz")
+    (d / "tokenizer.json").write_text(byte_level_tokenizer().to_str())
+    (d / "config.json").write_text(json.dumps({**cfg.to_dict(), "heldout_nll_nats_per_byte": float(z["_heldout_nll"]),
+                                               "train": {"steps": STEPS, "batch": BATCH, "seq": SEQ, "lr": LR}},
+                                              indent=1) + "\n")
+    print(f"wrote {d}")
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "train":
+        train(sys.argv[2])
+    else:
+        build(sys.argv[2], sys.argv[3])
