@@ -21,19 +21,21 @@ from typing import Any
 
 from .errors import (
     ArchiveError,
+    ArgumentError,
     ConversionError,
     GraphError,
     InputError,
     LimitError,
     NnefKvError,
     NnefSyntaxError,
+    OutputError,
     StateError,
     TensorFileError,
     UnknownOpError,
 )
 from .limits import Limits
 
-__version__ = "0.1.0"
+from ._version import __version__  # noqa: F401
 
 _LAZY = {
     "parse": "nnef_kv.grammar",
@@ -54,6 +56,8 @@ __all__ = [
     "Limits",
     "NnefKvError",
     "NnefSyntaxError",
+    "OutputError",
+    "ArgumentError",
     "TensorFileError",
     "ArchiveError",
     "LimitError",

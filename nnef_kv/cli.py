@@ -17,8 +17,9 @@ With ``-o out.npz`` the outputs are saved under the same convention (``NAME`` fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
-import math
+import os
 import sys
 import time
 from pathlib import Path
@@ -26,102 +27,57 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from .errors import NnefKvError
+from .cli_io import CliError, existing_path as _existing_path, int_at_least as _int_at_least  # noqa: F401
+from .cli_run import cmd_run  # the run command (nnef_kv/cli_run.py)
+from .cli_io import output_folder, output_model, parse_contexts as _parse_contexts, parse_ids as _parse_ids
+from .errors import NnefKvError, clip
 from .limits import Limits, current_limits, using_limits
 
 EXIT_OK = 0
 EXIT_CHECK_FAILED = 1
 EXIT_USAGE = 2
 EXIT_INTERRUPTED = 130
-
-
-class CliError(NnefKvError):
-    """A bad command line (missing file, bad option value)."""
+EXIT_PIPE_CLOSED = 141
 
 
 class _Parser(argparse.ArgumentParser):
     """argparse with one-line errors (exit code 2)."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(EXIT_USAGE, f"{self.prog}: error: {message}\n")
-
-
-# ----------------------------------------------------------------------------------------------
-# option checks (before any work)
-# ----------------------------------------------------------------------------------------------
-def _existing_path(value: str) -> Path:
-    p = Path(value)
-    if not p.exists():
-        raise CliError(f"{value}: no such file or folder")
-    return p
-
-
-def _int_at_least(name: str, value: Any, low: int) -> int:
-    if value is None or isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise CliError(f"{name} {value}: must be an integer >= {low}")
-    return value
-
-
-def _fraction(name: str, value: float | None, low: float = 0.0, high: float = math.inf) -> float | None:
-    if value is None:
-        return None
-    if not (math.isfinite(value) or value == math.inf) or not low <= value <= high:
-        bound = f"in [{low:g}, {high:g}]" if math.isfinite(high) else f">= {low:g}"
-        raise CliError(f"{name} {value}: must be {bound}")
-    return value
-
-
-def _parse_ids(text: str | None, what: str = "--prompt-ids") -> list[int] | None:
-    if text is None:
-        return None
-    parts = [t for t in text.replace(" ", ",").split(",") if t]
-    if not parts:
-        raise CliError(f"{what}: no token ids given")
-    ids = []
-    for t in parts:
-        try:
-            v = int(t)
-        except ValueError:
-            raise CliError(f"{what}: {t!r} is not an integer token id") from None
-        if v < 0:
-            raise CliError(f"{what}: token id {v} is negative")
-        if v >= 1 << 63:
-            raise CliError(f"{what}: token id {t[:30]} is too large")
-        ids.append(v)
-    return ids
-
-
-def _check_output_path(out: str, inputs: Sequence[Path]) -> Path:
-    p = Path(out)
-    for i in inputs:
-        try:
-            if p.exists() and p.resolve() == i.resolve():
-                raise CliError(f"{out}: the output would overwrite the input")
-        except OSError:
-            pass
-    if p.exists() and p.is_dir() and not (p / "graph.nnef").exists() and any(p.iterdir()):
-        raise CliError(f"{out}: a non-empty folder that is not a model archive; refusing to replace it")
-    return p
+        self.exit(EXIT_USAGE, f"{self.prog}: error: {clip(' '.join(message.split()), 240)}\n")
 
 
 # ----------------------------------------------------------------------------------------------
 # commands
 # ----------------------------------------------------------------------------------------------
 def cmd_inspect(args: argparse.Namespace) -> int:
-    from .io.archive import load
-    from .summary import summarize
-
+    from .converters import frontends
     from .converters.attention import exporter_problems
     from .converters.graph_edit import GraphEdit
+    from .interpreter.check import check_model
+    from .summary import summarize
 
     src = _existing_path(args.archive)
-    model = load(src)
+    fe = frontends.detect(src)
+    if fe is not None and fe.name != "nnef":
+        raise CliError(f"{src}: {fe.kinds}; inspect reads NNEF models (a folder, .tar, .tgz or graph.nnef): convert it "
+                       f"first (nnef-kv convert {src} -o {src.name.split('.')[0] or 'model'}.nnef.tgz)")
+    model = frontends.load(src) if fe is not None else _load_model(src)
     if model.document.graph is not None:
         problems = exporter_problems(GraphEdit(model.document, model.tensors, str(src)))
         if problems:
             raise CliError(problems[0])
+    checked = None if args.no_check or model.document.graph is None else check_model(model)
     print(summarize(model).to_text())
+    if checked is not None:
+        print(checked.to_text())
     return EXIT_OK
+
+
+def _load_model(src: Path) -> Any:
+    from .io.archive import load
+
+    return load(src)
 
 
 def cmd_convert(args: argparse.Namespace) -> int:
@@ -132,147 +88,28 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     opts = from_arguments(args)
     src = _existing_path(args.input)
-    out = _check_output_path(args.output, [src])
+    out, _ = output_model(args.output, "-o", [src])
     t0 = time.perf_counter()
     with progress_bar(f"converting {src.name}", total=3) as advance:
         model = frontends.load(src)
         advance()
         converted, report = convert(model, **opts.as_dict())
         advance()
-        save(converted, out)
+        save(converted, args.output)
         advance()
     for line in getattr(report, "attentions", []) or []:
         print(f"  {line}")
+    for note in report.notes:
+        if note.startswith(NOTE_PREFIXES):
+            print(f"note: {note}", file=sys.stderr)
     bits = opts.scheme_object.bits_text(opts.scheme_options)
     print(f"converted {len(getattr(report, 'attentions', []) or [])} attention block(s) of {src} with scheme "
-          f"{opts.scheme}, {bits} bits -> {out} ({time.perf_counter() - t0:.2f} s)")
+          f"{opts.scheme}, {bits} bits -> {args.output} ({time.perf_counter() - t0:.2f} s)")
     return EXIT_OK
 
 
-def _npz_feeds(npz: dict[str, Any], inputs: list[str], outputs: list[str], where: str
-               ) -> tuple[dict[str, Any], dict[int, dict[str, Any]], dict[str, Any], dict[int, dict[str, Any]], int]:
-    """Split npz keys into (every-step inputs, per-step inputs, every-step expected, per-step expected, max K)."""
-    common: dict[str, Any] = {}
-    per: dict[int, dict[str, Any]] = {}
-    exp_common: dict[str, Any] = {}
-    exp_per: dict[int, dict[str, Any]] = {}
-    last = -1
-    for key, value in npz.items():
-        name, _, step = key.partition("@")
-        k: int | None = None
-        if step:
-            if not step.isdigit():
-                raise CliError(f"{where}: key {key!r}: the step after '@' must be a non-negative integer")
-            k = int(step)
-            last = max(last, k)
-        if name in inputs:
-            (common if k is None else per.setdefault(k, {}))[name] = value
-        elif name in outputs:
-            (exp_common if k is None else exp_per.setdefault(k, {}))[name] = value
-        else:
-            raise CliError(f"{where}: key {key!r} names no graph input or output (inputs: {', '.join(inputs)})")
-    return common, per, exp_common, exp_per, last
-
-
-def _float_casts(feed: dict[str, Any], session: Any, casted: set[str], allowed: bool, where: Path) -> dict[str, Any]:
-    """Float inputs cast to the float type the graph declares when ``allowed`` (tract's
-    --allow-float-casts), each cast named once on stderr; else a float of another width is refused."""
-    out = dict(feed)
-    for spec in session.plan.inputs:
-        x = out.get(spec.name)
-        if x is None:
-            continue
-        a = np.asarray(x)
-        want = np.dtype(spec.dtype)
-        if a.dtype.kind == "f" and want.kind == "f" and a.dtype != want:
-            if not allowed:
-                raise CliError(f"{where}: input '{spec.name}' is {a.dtype}, the graph declares {want} "
-                               f"(--allow-float-casts casts float inputs, as tract's flag does)")
-            out[spec.name] = a.astype(want)
-            if spec.name not in casted:
-                casted.add(spec.name)
-                print(f"note: --allow-float-casts: input '{spec.name}' {a.dtype} cast to {want}", file=sys.stderr)
-    return out
-
-
-def cmd_run(args: argparse.Namespace) -> int:
-    import numpy as np
-
-    from .atomic import atomic_write
-    from .io.archive import load
-    from .progress import progress_bar
-    from .validate.decode import detect_signature
-
-    if args.steps is not None:
-        _int_at_least("--steps", args.steps, 1)
-    src = _existing_path(args.archive)
-    npz_path = _existing_path(args.inputs)
-    out_path = _check_output_path(args.output, [src, npz_path]) if args.output else None
-    try:
-        with np.load(npz_path, allow_pickle=False) as z:
-            npz = {k: z[k] for k in z.files}
-    except (OSError, ValueError) as exc:
-        raise CliError(f"{npz_path}: not a readable .npz file: {exc}") from None
-    model = load(src)
-    session = model.session()
-    inputs, outputs = list(session.input_names), list(session.output_names)
-    common, per, exp_common, exp_per, last = _npz_feeds(npz, inputs, outputs, str(npz_path))
-    steps = args.steps if args.steps is not None else max(1, last + 1)
-    try:
-        sig = detect_signature(session.plan, str(src))
-        feedback = dict(sig.cache_outputs) if sig.explicit else {}
-        empty = sig.empty_caches() if sig.explicit else {}
-    except NnefKvError:
-        feedback, empty = {}, {}
-    results: list[dict[str, Any]] = []
-    prev: dict[str, Any] = {}
-    casted: set[str] = set()
-    with progress_bar(f"running {src.name}", total=steps) as advance:
-        for k in range(steps):
-            feed = dict(common)
-            feed.update(per.get(k, {}))
-            for name in inputs:
-                if name in feed:
-                    continue
-                if name in feedback and (k > 0 or name in empty):
-                    feed[name] = prev[feedback[name]] if k > 0 else empty[name]
-                else:
-                    raise CliError(f"{npz_path}: no value for input '{name}' at step {k} (keys '{name}' or "
-                                   f"'{name}@{k}')")
-            feed = _float_casts(feed, session, casted, args.allow_float_casts, npz_path)
-            res = session.run(feed)
-            results.append(res)
-            prev = res
-            advance()
-    for k, res in enumerate(results):
-        expected = dict(exp_common)
-        expected.update(exp_per.get(k, {}))
-        for name, arr in res.items():
-            a = np.asarray(arr)
-            line = f"step {k} {name}: {a.dtype} {list(a.shape)}"
-            if a.size and a.dtype.kind in "fiub":
-                af = a.astype(np.float64)
-                nan = int(np.isnan(af).sum())
-                fin = af[np.isfinite(af)]
-                if fin.size:
-                    line += f" min {fin.min():.6g} max {fin.max():.6g} mean {fin.mean():.6g}"
-                line += f" NaN {nan}"
-            if name in expected:
-                e = np.asarray(expected[name])
-                if e.shape == a.shape:
-                    line += f" | max|diff| vs npz {float(np.max(np.abs(a.astype(np.float64) - e))) if a.size else 0.0:.3g}"
-                else:
-                    line += f" | npz has shape {list(e.shape)}"
-            print(line)
-    if out_path is not None:
-        arrays = {}
-        for k, res in enumerate(results):
-            for name, arr in res.items():
-                arrays[name if steps == 1 else f"{name}@{k}"] = np.asarray(arr)
-        with atomic_write(out_path) as f:
-            np.savez(f, **arrays)
-        print(f"wrote {len(arrays)} arrays to {out_path}")
-    return EXIT_OK
+#: conversion notes the command repeats on stderr (what a user must not miss)
+NOTE_PREFIXES = ("never quantized:",)
 
 
 def _token_source(args: argparse.Namespace, src: Path, *, default_text: bool) -> Any:
@@ -341,6 +178,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 logits = decoder(np.asarray([tok], np.int64))
     except KeyboardInterrupt:
         stopped = "interrupted"
+    except BaseException:
+        stopped = f"stopped at token {len(produced) + 1} by the error below"
+        raise
     finally:
         if text_of is not None and produced:
             out.write(text_of(produced, final=True))
@@ -352,27 +192,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"{len(produced)} tokens in {dt:.2f} s ({len(produced) / dt if dt else 0:.1f} tok/s), {kind}, "
               f"KV {kv:,} bytes at {len(source.ids) + max(len(produced) - 1, 0)} positions"
               + (f" ({stopped})" if stopped else ""), file=sys.stderr)
-    return EXIT_INTERRUPTED if stopped else EXIT_OK
+    return EXIT_INTERRUPTED if stopped == "interrupted" else EXIT_OK
 
 
 _VALIDATE_NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "chunk": "--chunk", "max_kl": "--max-kl",
                    "min_token_agreement": "--min-token-agreement", "max_ppl_ratio": "--max-ppl-ratio",
                    "max_attention_deviation": "--max-attention-deviation", "parity_atol": "--parity-atol",
                    "parity_rtol": "--parity-rtol", "reference": "--reference"}
-
-
-def _parse_contexts(text: str | None) -> list[int] | None:
-    if text is None:
-        return None
-    out = []
-    for part in [t for t in text.replace(" ", ",").split(",") if t]:
-        try:
-            out.append(int(part))
-        except ValueError:
-            raise CliError(f"--context {part!r}: a context is a number of tokens") from None
-    if not out:
-        raise CliError("--context: no context length given")
-    return out
 
 
 def _validate_options(args: argparse.Namespace) -> Any:
@@ -417,9 +243,8 @@ def cmd_validate(args: argparse.Namespace) -> int:
     src = _existing_path(args.archive)
     ref_path = _existing_path(args.reference) if args.reference else None
     if args.report_dir:
-        rd = Path(args.report_dir)
-        if rd.exists() and not rd.is_dir():
-            raise CliError(f"{rd}: --report-dir exists and is not a folder")
+        output_folder(args.report_dir, "--report-dir", files=("report.json", "report.md", "report.png"),
+                      inputs=[src] + ([ref_path] if ref_path else []))
     source = _token_source(args, src, default_text=True)
     model = load(src)
     reference = load(ref_path) if ref_path else None
@@ -444,14 +269,17 @@ def cmd_demo(args: argparse.Namespace) -> int:
     contexts = _parse_contexts(args.context) or []
     for c in contexts:
         _int_at_least("--context", c, 1)
-    if args.report_dir and Path(args.report_dir).exists() and not Path(args.report_dir).is_dir():
-        raise CliError(f"{args.report_dir}: --report-dir exists and is not a folder")
-    cfg = DecoderConfig(vocab=_int_at_least("--vocab", args.vocab, 256), hidden=_int_at_least("--hidden", args.hidden, 1),
+    for option, folder in (("--report-dir", args.report_dir), ("--save-dir", args.save_dir)):
+        if folder:
+            output_folder(folder, option)
+    cfg = DecoderConfig(vocab=_int_at_least("--vocab", args.vocab, 256),
+                        hidden=_int_at_least("--hidden", args.hidden, 1),
                         layers=_int_at_least("--layers", args.layers, 1), heads=_int_at_least("--heads", args.heads, 1),
                         kv_heads=_int_at_least("--kv-heads", args.kv_heads, 1),
                         head_dim=_int_at_least("--head-dim", args.head_dim, 2), mlp=_int_at_least("--mlp", args.mlp, 1),
                         seed=_int_at_least("--seed", args.seed, 0), cache=args.cache)
     cfg.validate()
+    _demo_size(cfg)
     opts = DemoOptions(config=cfg, bits=tuple(bits), tract=not args.no_tract, contexts=tuple(contexts),
                        eval_tokens=_int_at_least("--eval-tokens", args.eval_tokens, 1), report_dir=args.report_dir,
                        key_group=_int_at_least("--key-group", args.key_group, 1),
@@ -466,6 +294,22 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _demo_size(cfg: Any) -> None:
+    """Refuse a demo decoder whose weights would be over the limits (before it is built)."""
+    lim = current_limits()
+    emb, mlp, att = cfg.vocab * cfg.hidden, cfg.hidden * cfg.mlp, cfg.heads * cfg.head_dim * cfg.hidden
+    mats = {f"--vocab {cfg.vocab} x --hidden {cfg.hidden}": emb, f"--hidden {cfg.hidden} x --mlp {cfg.mlp}": mlp,
+            f"--heads {cfg.heads} x --head-dim {cfg.head_dim} x --hidden {cfg.hidden}": att}
+    name, biggest = max(mats.items(), key=lambda kv: kv[1])
+    total = 4 * (2 * emb + cfg.layers * (3 * mlp + 4 * att))
+    if 4 * biggest > lim.max_tensor_bytes:
+        raise CliError(f"{name}: one weight of the demo decoder would take {4 * biggest} bytes, over "
+                       f"max_tensor_bytes={lim.max_tensor_bytes}")
+    if total > lim.max_archive_bytes:
+        raise CliError(f"--layers {cfg.layers}: the demo decoder's weights would take about {total} bytes, over "
+                       f"max_archive_bytes={lim.max_archive_bytes}")
+
+
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "inspect": cmd_inspect,
     "convert": cmd_convert,
@@ -476,12 +320,19 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def _version() -> str:
+    from ._version import __version__
+
+    return __version__
+
+
 def build_parser() -> argparse.ArgumentParser:
     from .cli_compare import add_commands
     from .converters.options import add_arguments as add_convert_arguments
 
     p = _Parser(prog="nnef-kv", description="NNEF archives with a quantized KV cache.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors (accepted anywhere)")
+    p.add_argument("--version", action="version", version=f"nnef-kv {_version()}")
     lim = p.add_argument_group("resource limits for untrusted archives (defaults: nnef_kv.limits.Limits)")
     lim.add_argument("--max-archive-bytes", type=int, help="decompressed bytes read from one archive")
     lim.add_argument("--max-tensor-bytes", type=int, help="payload bytes of one .dat tensor")
@@ -489,12 +340,17 @@ def build_parser() -> argparse.ArgumentParser:
     lim.add_argument("--max-nesting", type=int, help="nesting depth of expressions in NNEF text")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
-    sp = sub.add_parser("inspect", help="graph summary: inputs, outputs, op counts, parameter bytes, KV layout")
-    sp.add_argument("archive", help="NNEF folder, .tar or .tgz")
+    sp = sub.add_parser("inspect", help="graph summary: inputs, outputs, op counts, parameter bytes, KV layout",
+                        description="Builds the graph and runs it once on zeros of the declared inputs (every symbol "
+                                    "= 1) in a throwaway session: the first error is reported with its file:line:col "
+                                    "(exit 2); the outputs' dtypes and shapes are printed.")
+    sp.add_argument("archive", help="NNEF folder, .tar, .tgz or graph.nnef")
+    sp.add_argument("--no-check", action="store_true", help="the text summary only: no graph building, no check run")
 
     sp = sub.add_parser("convert", help="rewrite a decoder's attention/KV cache to a quantized KV cache")
     sp.add_argument("input", help="NNEF folder, .tar, .tgz, graph.nnef, or .onnx (converters/frontends)")
-    sp.add_argument("-o", "--output", required=True, help="output archive (folder, .tar, .tgz)")
+    sp.add_argument("-o", "--output", required=True,
+                    help="output archive: a .tar, .tgz or .tar.gz file, or a folder (a name without a suffix)")
     add_convert_arguments(sp)  # --scheme and the schemes' flags (nnef_kv.kv.schemes)
 
     sp = sub.add_parser("run", help="run an archive on inputs from an .npz, one or several steps",
@@ -530,7 +386,8 @@ def build_parser() -> argparse.ArgumentParser:
     src_group.add_argument("--text", help="UTF-8 text file")
     src_group.add_argument("--prompt", help="text given on the command line")
     src_group.add_argument("--ids", help=".npy or text file of token ids (no tokenizer needed)")
-    src_group.add_argument("--tokenizer", help="tokenizer.json (or a folder holding one); default: found next to the archive")
+    src_group.add_argument("--tokenizer",
+                           help="tokenizer.json (or a folder holding one); default: found next to the archive")
     sp.add_argument("--context", help="context lengths L1,L2,... (default: 8 x the KV ops' full-precision window, "
                                       "at least 256, capped by the model and the text)")
     sp.add_argument("--eval-tokens", type=int, default=64, help="predictions measured per context (default 64)")
@@ -539,14 +396,17 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--max-kl", type=float, help="fail when the mean KL(p_ref||p) (nats) is above")
     sp.add_argument("--min-token-agreement", type=float, help="fail when the same-top-1 fraction is below (0..1)")
     sp.add_argument("--max-ppl-ratio", type=float, help="fail when ppl / ppl_reference is above")
-    sp.add_argument("--max-attention-deviation", type=float, help="fail when the worst per-layer attention deviation is above")
+    sp.add_argument("--max-attention-deviation", type=float,
+                    help="fail when the worst per-layer attention deviation is above")
     sp.add_argument("--no-parity", action="store_true", help="do not run tract")
     sp.add_argument("--parity-atol", type=float, help="tract parity tolerance, absolute (default f32 1e-4, f16 1e-3)")
-    sp.add_argument("--parity-rtol", type=float, help="tract parity tolerance, x max |logit| (default f32 1e-3, f16 2e-2)")
+    sp.add_argument("--parity-rtol", type=float,
+                    help="tract parity tolerance, x max |logit| (default f32 1e-3, f16 2e-2)")
     sp.add_argument("--allow-different-weights", action="store_true",
                     help="compare against a reference whose weights differ from the archive's")
 
-    sp = sub.add_parser("demo", help="a built-in decoder, its KV cache quantized at several bit widths, validated on a text",
+    sp = sub.add_parser("demo",
+                        help="a built-in decoder, its KV cache quantized at several bit widths, validated on a text",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     sp.add_argument("--bits", default="8,4,2", help="kivi bit widths")
     sp.add_argument("--no-tract", action="store_true", help="skip the tract scheme row")
@@ -563,7 +423,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--head-dim", type=int, default=16, help="head size")
     sp.add_argument("--mlp", type=int, default=128, help="MLP size")
     sp.add_argument("--seed", type=int, default=0, help="weights seed")
-    sp.add_argument("--cache", default="explicit", choices=["explicit", "dyn"], help="how the f32 model holds its cache")
+    sp.add_argument("--cache", default="explicit", choices=["explicit", "dyn"],
+                    help="how the f32 model holds its cache")
     sp.add_argument("--report-dir", help="write one validation report per model into this folder")
     sp.add_argument("--save-dir", help="keep the f32 and converted archives in this folder")
     add_commands(sub, COMMANDS)  # compare, convert --auto-bits (nnef_kv/cli_compare.py)
@@ -581,7 +442,17 @@ def _limits_from(args: argparse.Namespace) -> Limits:
     return dataclasses.replace(current_limits(), **given)
 
 
+def _say(command: str, kind: str, exc: BaseException) -> None:
+    """The one error line: ``nnef-kv COMMAND: error: message`` (newlines folded, very long details clipped)."""
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    print(f"nnef-kv {command}: {kind}: {clip(text, 1000)}", file=sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; returns the exit code (0 ok, 1 a check failed, 2 an error, 130 interrupted, 141 the
+    standard output was closed). ``--debug`` prints the traceback of an error (still exit 2)."""
+    import traceback
+
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     argv = [a for a in argv if a != "--debug"]
@@ -597,22 +468,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("nnef-kv: interrupted", file=sys.stderr)
-        return 130
-    except NnefKvError as exc:
+        return EXIT_INTERRUPTED
+    except BrokenPipeError:  # `nnef-kv run ... | head`: stop quietly
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout = open(os.devnull, "w")
+        return EXIT_PIPE_CLOSED
+    except (NnefKvError, OSError, MemoryError) as exc:
         if debug:
-            raise
-        print(f"nnef-kv {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
-    except (OSError, MemoryError) as exc:
-        if debug:
-            raise
-        print(f"nnef-kv {args.command}: error: {exc}", file=sys.stderr)
+            traceback.print_exc()
+        _say(args.command, "error", exc if not isinstance(exc, MemoryError) else MemoryError("out of memory"))
         return EXIT_USAGE
     except Exception as exc:  # a bug: still one line; --debug shows the traceback
         if debug:
-            raise
-        print(f"nnef-kv {args.command}: internal error: {type(exc).__name__}: {exc} (rerun with --debug)",
-              file=sys.stderr)
+            traceback.print_exc()
+        _say(args.command, "internal error", RuntimeError(f"{type(exc).__name__}: {exc} (rerun with --debug)"))
         return EXIT_USAGE
 
 

@@ -11,7 +11,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from .errors import InputError
+from .cli_io import INT_MAX
+from .errors import InputError, clip
 
 __all__ = ["add_commands", "cmd_compare", "cmd_auto_bits"]
 
@@ -19,10 +20,9 @@ _NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "chunk": "--c
 
 
 def _path(value: str, flag: str) -> Path:
-    p = Path(value)
-    if not p.exists():
-        raise InputError(f"{flag} {value}: no such file or folder")
-    return p
+    from .cli_io import existing_path
+
+    return existing_path(value, "" if flag in ("archive", "input") else flag)
 
 
 def _ints(text: str | None, flag: str, low: int = 1) -> list[int] | None:
@@ -30,12 +30,13 @@ def _ints(text: str | None, flag: str, low: int = 1) -> list[int] | None:
         return None
     out = []
     for part in [t for t in text.replace(" ", ",").split(",") if t]:
-        try:
-            v = int(part)
-        except ValueError:
-            raise InputError(f"{flag} {part!r}: a number of tokens is expected") from None
+        if not (part.isascii() and part.lstrip("+-").isdigit()):
+            raise InputError(f"{flag} {clip(repr(part), 40)}: a number of tokens is expected")
+        v = int(part)
         if v < low:
             raise InputError(f"{flag} {v}: must be >= {low}")
+        if v > INT_MAX:
+            raise InputError(f"{flag} {clip(part, 30)}: too large (at most {INT_MAX})")
         out.append(v)
     if not out:
         raise InputError(f"{flag}: no value given")
@@ -43,18 +44,18 @@ def _ints(text: str | None, flag: str, low: int = 1) -> list[int] | None:
 
 
 def _positive(value: Any, flag: str, low: int = 1) -> Any:
-    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < low):
-        raise InputError(f"{flag} {value}: must be an integer >= {low}")
-    return value
+    from .cli_io import int_at_least
+
+    return None if value is None else int_at_least(flag, value, low)
 
 
-def _report_dir(value: str | None) -> Path | None:
-    if value is None:
-        return None
-    p = Path(value)
-    if p.exists() and not p.is_dir():
-        raise InputError(f"--report-dir {value}: exists and is not a folder")
-    return p
+def _report_dir(value: str | None, files: tuple[str, ...] = ("report.md", "report.json", "report.png"),
+                inputs: tuple[Any, ...] = ()) -> Path | None:
+    """``--report-dir``: absent or a folder nnef-kv can write in, its report files absent or regular (checked
+    before any work: :func:`nnef_kv.cli_io.output_folder`)."""
+    from .cli_io import output_folder
+
+    return None if value is None else output_folder(value, "--report-dir", files=files, inputs=inputs)
 
 
 def _source(args: argparse.Namespace, archive: Path) -> Any:
@@ -97,7 +98,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
                           eval_tokens=_positive(args.eval_tokens, "--eval-tokens"),
                           chunk=_positive(args.chunk, "--chunk"), tract=not args.no_tract)
     jobs = _positive(args.jobs, "--jobs")
-    out = _report_dir(args.report_dir)
+    out = _report_dir(args.report_dir, inputs=(src,))
     if args.ray is not None and jobs is not None:
         raise InputError("--jobs and --ray: give one (Ray schedules the jobs on its cluster's CPUs)")
     source = _source(args, src)
@@ -182,16 +183,22 @@ def cmd_auto_bits(args: argparse.Namespace) -> int:
 
     if args.max_kl is None:
         raise InputError("--auto-bits: give the budget, --max-kl X (mean KL in nats)")
+    if not args.max_kl >= 0 or args.max_kl == float("inf"):
+        raise InputError(f"--max-kl {args.max_kl}: " + ("not a number" if args.max_kl != args.max_kl else
+                                                        "must be a finite number >= 0"))
     if args.layer_bits:
         raise InputError("--layer-bits and --auto-bits: give one (--auto-bits chooses the layer bits)")
     opts = from_arguments(args)
     src = _path(args.input, "input")
+    from .cli_io import output_model
+    from .targets import check_file
+
+    out, _ = output_model(args.output, "-o", [src])  # refused before any work: what save would refuse
     out = Path(args.output)
-    if out.exists() and out.resolve() == src.resolve():
-        raise InputError(f"{args.output}: the output would overwrite the input")
-    if out.is_dir() and not (out / "graph.nnef").exists() and any(out.iterdir()):
-        raise InputError(f"{args.output}: a non-empty folder that is not a model archive; refusing to replace it")
-    rd = _report_dir(args.report_dir)
+    rd = _report_dir(args.report_dir, files=("report.md", "report.json"), inputs=(src,))
+    if rd is None:
+        for name in (f"{out.name}.auto-bits.md", f"{out.name}.auto-bits.json"):
+            check_file(out.parent / name, "the auto-bits report", inputs=[src])
     contexts = _ints(args.context, "--context")
     copts = CompareOptions(contexts=contexts, eval_tokens=_positive(args.eval_tokens, "--eval-tokens") or 64,
                            tract=False)

@@ -5,6 +5,11 @@ Messages name the file, node or tensor at fault.
 """
 from __future__ import annotations
 
+from typing import Any, Iterable
+
+#: the longest message nnef-kv means to print (paths and names aside): longer details are clipped
+MESSAGE_CHARS = 300
+
 
 class NnefKvError(Exception):
     """Base class of every error raised on purpose by nnef-kv."""
@@ -65,3 +70,56 @@ class StateError(NnefKvError):
 
 class ConversionError(NnefKvError):
     """A converter found nothing to convert or refused the input."""
+
+
+class OutputError(NnefKvError, OSError):
+    """A write target nnef-kv refuses (not a regular file or model folder, a suffix it cannot write, a
+    folder it cannot write in), or a write that failed; the message names the target the user gave.
+    Also an :class:`OSError` (``errno`` is kept when the cause had one)."""
+
+    def __init__(self, message: str, errno: int | None = None) -> None:
+        OSError.__init__(self, message)
+        self.errno = errno
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
+class ArgumentError(NnefKvError, TypeError):
+    """A Python API argument of the wrong kind (a list where a dict of inputs is expected, archive bytes
+    where a path is): also a :class:`TypeError`."""
+
+
+def clip(text: Any, n: int = 120) -> str:
+    """``str(text)`` cut to ``n`` characters (``...`` marks a cut): for values and foreign messages quoted
+    in an error line."""
+    s = str(text).replace("\n", " ")
+    return s if len(s) <= n else s[: max(n - 3, 1)] + "..."
+
+
+def names(items: Iterable[Any], n: int = 8) -> str:
+    """``a, b, c, ... (52 in all)``: a list of names for a message, the first ``n`` of them."""
+    items = [str(i) for i in items]
+    head = ", ".join(clip(i, 60) for i in items[:n])
+    return head if len(items) <= n else f"{head}, ... ({len(items)} in all)"
+
+
+def describe(value: Any) -> str:
+    """What ``value`` is, in a few words (never its repr when that could be long): ``bytes (4,718,592 bytes)``,
+    ``list of 3 items``, ``None``, ``BufferedReader 'm.tgz'``."""
+    if value is None:
+        return "None"
+    t = type(value).__name__
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        return f"{t} ({memoryview(value).nbytes:,} bytes)"
+    if isinstance(value, (list, tuple, set, frozenset, dict)):
+        return f"{t} of {len(value)} items"
+    shape, dtype = getattr(value, "shape", None), getattr(value, "dtype", None)
+    if isinstance(shape, tuple) and dtype is not None:
+        return f"{t} {clip(dtype, 20)} {list(shape)}"
+    name = getattr(value, "name", None)
+    if hasattr(value, "read") or hasattr(value, "write"):
+        return f"a file object ({t}{' ' + clip(repr(name), 80) if name is not None else ''})"
+    if isinstance(value, str):
+        return f"str {clip(repr(value), 80)}"
+    return f"{t} {clip(repr(value), 60)}"

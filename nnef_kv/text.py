@@ -59,8 +59,7 @@ def load_tokenizer(path: str | os.PathLike, what: str = "--tokenizer") -> Any:
         p = p / TOKENIZER_FILE
         if not p.is_file():
             raise InputError(f"{what} {path}: no {TOKENIZER_FILE} in this folder")
-    if not p.is_file():
-        raise InputError(f"{what} {path}: no such file")
+    _regular(p, what, path)
     try:
         from tokenizers import Tokenizer
     except ImportError:  # pragma: no cover - a dependency of the package
@@ -78,12 +77,20 @@ def load_tokenizer(path: str | os.PathLike, what: str = "--tokenizer") -> Any:
         raise InputError(f"{what} {p}: not a valid tokenizer ({short(exc, 160)})") from None
 
 
+def _regular(p: Path, what: str, path: Any) -> None:
+    """Refuse what is not a regular file (links followed): absent, a folder, a FIFO, a device."""
+    from .targets import kind_of, resolve
+
+    kind = kind_of(resolve(p))
+    if kind != "file":
+        raise InputError(f"{what} {path}: " + ("no such file" if kind == "absent" else f"is a {kind}, not a file"))
+
+
 def read_text(path: str | os.PathLike, what: str = "--text") -> str:
     """The UTF-8 text of ``path`` (not empty)."""
     p = Path(path)
     try:
-        if not p.is_file():
-            raise InputError(f"{what} {path}: no such file")
+        _regular(p, what, path)
         size = p.stat().st_size
         if size > MAX_TEXT_BYTES:
             raise InputError(f"{what} {path}: {size} bytes, more than the {MAX_TEXT_BYTES} a text may have")
@@ -107,12 +114,14 @@ def read_ids(path: str | os.PathLike, what: str = "--ids") -> list[int]:
     import numpy as np
 
     p = Path(path)
-    if not p.is_file():
-        raise InputError(f"{what} {path}: no such file")
+    _regular(p, what, path)
     if p.suffix.lower() == ".npy":
-        try:
-            a = np.load(p, allow_pickle=False)
-        except (OSError, ValueError) as exc:
+        if p.stat().st_size > MAX_TEXT_BYTES:
+            raise InputError(f"{what} {path}: {p.stat().st_size} bytes, more than the {MAX_TEXT_BYTES} an ids file "
+                             f"may have")
+        try:  # memory-mapped: a header claiming more than the file holds is refused, nothing is allocated
+            a = np.load(p, allow_pickle=False, mmap_mode="r")
+        except (OSError, ValueError, EOFError) as exc:
             raise InputError(f"{what} {path}: not a readable .npy file ({short(exc, 160)})") from None
         if a.dtype.kind not in "iu" or not (a.ndim == 1 or (a.ndim == 2 and a.shape[0] == 1)):
             raise InputError(f"{what} {path}: expected integer ids of shape [N] or [1, N], got {a.dtype} "

@@ -104,11 +104,15 @@ def test_convert_refuses_to_overwrite_its_input(archives, capsys) -> None:
     assert archives["f32"].read_bytes() == before
 
 
-def test_debug_shows_the_exception(archives, tmp_path) -> None:
-    with pytest.raises(nnef_kv.NnefKvError):
-        main(["--debug", "convert", str(archives["plain"]), "-o", str(tmp_path / "o.tar")])
-    with pytest.raises(nnef_kv.NnefKvError):
-        main(["convert", str(archives["plain"]), "-o", str(tmp_path / "o.tar"), "--debug"])
+def test_debug_shows_the_exception(archives, tmp_path, capsys) -> None:
+    """--debug prints the traceback and still exits 2 (issue 13 item 10: it used to re-raise, exit status 1)."""
+    for argv in (["--debug", "convert", str(archives["plain"]), "-o", str(tmp_path / "o.tar")],
+                 ["convert", str(archives["plain"]), "-o", str(tmp_path / "o.tar"), "--debug"]):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert "Traceback (most recent call last)" in err and "nnef_kv.errors.ConversionError" in err
+        assert err.rstrip().splitlines()[-1].startswith("nnef-kv convert: error: ")
+    assert not (tmp_path / "o.tar").exists()
 
 
 # -- run -------------------------------------------------------------------------------------------
@@ -209,8 +213,9 @@ def test_generate_interrupted_ends_the_line_and_summarises(archives, capsys, mon
 
 
 @pytest.mark.parametrize("opts,match", [
-    (["--prompt-ids", "1,x"], "not an integer"), (["--prompt-ids", "-3"], "negative"), (["--prompt-ids", ","], "no token"),
-    (["--prompt-ids", "1", "--max-new-tokens", "0"], ">= 1"), (["--prompt-ids", "99999999999999999999999"], "too large"),
+    (["--prompt-ids", "1,x"], "not an integer"), (["--prompt-ids", "-3"], "negative"),
+    (["--prompt-ids", ","], "no token"), (["--prompt-ids", "1", "--max-new-tokens", "0"], ">= 1"),
+    (["--prompt-ids", "99999999999999999999999"], "too large"),
     (["--prompt-ids", "1,300"], "token id 300 at position 1 is outside the model's vocabulary of 256"),
     (["--prompt-ids", "1", "--max-new-tokens", "5000"], "the model holds at most 4095"),
     (["--prompt", ""], "the prompt is empty"), ([], "give the prompt"),
@@ -232,7 +237,8 @@ def _kivi(archives, tmp_path, bits: int) -> Path:
     out = tmp_path / f"k{bits}.nnef.tar"
     assert main(["convert", str(archives["f32"]), "-o", str(out), "--bits", str(bits), "--key-group", "16",
                  "--value-group", "8", "--residual", "16"]) == 0
-    (tmp_path / "tokenizer.json").write_bytes((archives["dir"] / "tokenizer.json").read_bytes())  # as exporters leave it
+    # as exporters leave it
+    (tmp_path / "tokenizer.json").write_bytes((archives["dir"] / "tokenizer.json").read_bytes())
     return out
 
 

@@ -165,7 +165,9 @@ def test_report_text_lists_passes():
     _, report = convert(Model.from_text(attention_graph()), scheme="tract")
     text = report.to_text()
     assert "scheme tract" in text and "attention:" in text and "inputs removed: pk, pv" in text
-    assert "bits=4 ignored" in text
+    assert "ignored" not in text  # bits tract's op would ignore are refused instead (issue 13 item 8)
+    with pytest.raises(ConversionError, match="bits=4: scheme tract stores 8-bit codes"):
+        convert(Model.from_text(attention_graph()), scheme="tract", bits=4)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -333,8 +335,9 @@ def test_sdpa_over_explicit_caches_converts():
 }
 """
     src = Model.from_text(text)
+    kivi = dict(key_group=1, value_group=4, residual=64)
     for scheme in ("kivi", "tract", "tract-cache"):
-        conv, report = convert(src, scheme=scheme, bits=8, key_group=1, value_group=4, residual=64)
+        conv, report = convert(src, scheme=scheme, bits=8, **(kivi if scheme == "kivi" else {}))
         assert conv.session().input_names == ["x"], scheme
         assert report.attentions[0].startswith("sdpa attention")
     got = [s for s in [convert(src, scheme="kivi", bits=8, key_group=1, value_group=4, residual=64)[0].session()]]

@@ -1,5 +1,7 @@
-"""Fuzzing (hypothesis): the NNEF parser, the graph.quant parser, the ``.dat`` reader, the archive reader
-and ``load`` + ``model.session()`` end to end.
+"""Fuzzing (hypothesis): the NNEF parser, the graph.quant parser, the ``.dat`` reader, the archive reader,
+``load`` + ``model.session()`` end to end, and the command line (generated argument lists for every subcommand,
+section 7: only exit codes 0/1/2, no traceback, no "internal error", nothing damaged; ``NNEF_KV_FUZZ_TIMES=1``
+prints the seconds spent per subcommand).
 
 Property of every target: whatever the input (random bytes, mutated corpus files, grammar-aware generated
 documents), the only exceptions that come out are :class:`nnef_kv.errors.NnefKvError` subclasses. Where a
@@ -30,6 +32,7 @@ import resource
 import struct
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -161,7 +164,8 @@ graph g(x) -> (y, z) {
   z = relu(-y[0:1] if true else y) ^ 2.0;
 }
 """
-SEED_QUANT = b'"x": zero_point_linear_quantize(zero_point = 0, scale = 0.5, bits = 8, signed = false, symmetric = false);\n'
+SEED_QUANT = (b'"x": zero_point_linear_quantize(zero_point = 0, scale = 0.5, bits = 8, signed = false, '
+              b'symmetric = false);\n')
 NNEF_CORPUS.append(SEED_NNEF)
 QUANT_CORPUS.append(SEED_QUANT)
 DAT_CORPUS.append(encode_tensor(np.arange(6, dtype=np.float32).reshape(2, 3)))
@@ -377,7 +381,8 @@ class DocGen:
             default = f" = {self.literal()}" if self.chance(0.3) else ""
             params.append(f"{self.ident()}: {self.type_spec()}{default}")
         results = ", ".join(f"{self.ident()}: {self.type_spec()}" for _ in range(r.randint(1, 2)))
-        body = ";" if self.chance(0.4) else " {\n" + "\n".join(self.assignment() for _ in range(r.randint(0, 3))) + "\n}"
+        body = (";" if self.chance(0.4)
+                else " {\n" + "\n".join(self.assignment() for _ in range(r.randint(0, 3))) + "\n}")
         generic = r.choice(["", "", "<?>", "<? = scalar>"])
         return f"fragment {self.ident()}{generic}({', '.join(params)}) -> ({results}){body}"
 
@@ -736,7 +741,8 @@ class GraphGen:
         return [r.choice([1, 1, 2, 3, 4, 0]) for _ in range(r.randint(0, 4) if n is None else n)]
 
     def ints(self, lo: int = -3, hi: int = 4, n: int | None = None) -> str:
-        return "[" + ", ".join(str(self.r.randint(lo, hi)) for _ in range(self.r.randint(0, 4) if n is None else n)) + "]"
+        count = self.r.randint(0, 4) if n is None else n
+        return "[" + ", ".join(str(self.r.randint(lo, hi)) for _ in range(count)) + "]"
 
     def operand(self) -> str:
         r = self.r
@@ -774,11 +780,13 @@ class GraphGen:
             op = r.choice(["sum_reduce", "mean_reduce", "max_reduce", "argmax_reduce", "softmax"])
             return f"{op}({a}, axes = {self.ints(-1, 3)})"
         if k == 14:
-            return f"matmul({a}, {b}, transposeA = {r.choice(['true', 'false'])}, transposeB = {r.choice(['true', 'false'])})"
+            ta, tb = r.choice(['true', 'false']), r.choice(['true', 'false'])
+            return f"matmul({a}, {b}, transposeA = {ta}, transposeB = {tb})"
         op = r.choice(["pad", "tile", "cast", "gather", "clamp", "select", "range"])
         if op == "pad":
             pads = ", ".join(f"({r.randint(-1, 2)}, {r.randint(0, 2)})" for _ in range(r.randint(0, 3)))
-            return f"pad({a}, padding = [{pads}], border = \"{r.choice(['constant', 'reflect', 'replicate', 'edge'])}\")"
+            border = r.choice(['constant', 'reflect', 'replicate', 'edge'])
+            return f"pad({a}, padding = [{pads}], border = \"{border}\")"
         if op == "tile":
             return f"tile({a}, repeats = {self.ints(0, 3)})"
         if op == "cast":
@@ -835,6 +843,157 @@ def test_generated_graph_session(text: str) -> None:
 
 def test_generated_graph_session_count() -> None:
     _check_count("graph+session")
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. the command line: generated argument lists for every subcommand (issue 13)
+# ------------------------------------------------------------------------------------------------
+# Paths of tests/cli_world.py's world (good and bad inputs, special files, every kind of output target) and
+# values for every option, read from the parser itself (a subcommand added later is fuzzed too). The property:
+# the exit code is 0, 1 or 2 (130 only if a Ctrl-C came), no traceback, no "internal error", a refusal is one
+# line, and nothing changes where nothing may (World.damage: the inputs, special files, links, the precious
+# folder, no temporary left). Every command runs under small limits, and the decoders hold 16 positions, so
+# no example can do much work.
+from cli_world import World, run_cli  # noqa: E402
+
+CLI_LIMITS = ["--max-archive-bytes", str(64 << 20), "--max-tensor-bytes", str(16 << 20), "--max-members", "1000"]
+IN_NAMES = ["f32.nnef.tar", "dyn.nnef.tar", "plain.nnef.tar", "undef", "badadd", "strop", "badreshape", "unknownop",
+            "tokenizer.json", "junk.tgz", "empty", "m.onnx", "w.dat", "io.npz", "ids1.npz", "x.npz", "badkey.npz",
+            "badstep.npz", "strexp.npz", "obj.npz", "arr.npy", "empty.npz", "trunc.npz", "text.npz", "huge.npz",
+            "bomb.npz", "prompt.txt", "ids.txt", "bigid.txt", "hugeid.txt", "fifo", "chr", "link_f32.tar", "absent"]
+OUT_NAMES = ["new.npz", "new.tgz", "new.tar", "newdir", "existing.npz", "existing.tgz", "model", "precious",
+             "empty_dir", "fifo", "chr", "link_file.npz", "link_file.tgz", "link_fifo.npz", "link_fifo.tgz",
+             "dangling.npz", "loop.npz", "file_parent", "file_parent/x.npz", "rdir", "ok.zip", "ok.nnef", "x.onnx",
+             "deep/er/new.npz"]
+INTS = ["-1", "0", "1", "2", "3", "4", "8", "15", "16", "17", "32", "256", "4096", "99999999999999999999",
+        "9223372036854775808", "x", "", " 3", "1_0", "\u0663", "1e3", "0x10"]
+FLOATS = ["0", "0.5", "1", "1.5", "-1", "nan", "inf", "-inf", "1e309", "1e-300", "x", ""]
+TEXTS = ["", " ", "1,2,3", "1,300", "1,,2", "-3", "4,9", "8,4,2", "8,16", "99999999999999999999999", "hi",
+         "We hold", "\u0663", "\x00", "1" * 300, "0,1"]
+#: options never generated: --ray connects to (or starts) a Ray cluster, which is not the command line's to fuzz
+CLI_NEVER = {"ray"}
+CLI_WEIGHTS = {"demo": 1, "compare": 1}  # they build and measure several models even when small: drawn half as often
+#: demo starts from a tiny decoder (the fuzzed options come after and override some); its integers stay small:
+#: ``demo --layers 4096`` is slow work a user asked for, not a bug the fuzzer can find
+DEMO_TINY = ["--layers", "1", "--hidden", "8", "--heads", "1", "--kv-heads", "1", "--head-dim", "2", "--mlp", "1",
+             "--context", "8", "--eval-tokens", "2", "--bits", "8", "--no-tract"]
+DEMO_INTS = ["-1", "0", "1", "2", "3", "8", "99999999999999999999", "x", "", " 3", "\u0663"]
+#: options that lead a command to real work, drawn more often (a prompt for generate, token ids for validate)
+CLI_LIKELY = {"generate": ("--prompt-ids", "--ids"), "validate": ("--ids", "--context"), "run": ("--steps",)}
+GOOD_INPUTS = ["f32.nnef.tar", "dyn.nnef.tar", "plain.nnef.tar", "io.npz", "ids1.npz", "ids.txt", "prompt.txt"]
+
+
+def _cli_actions() -> dict[str, tuple[list[Any], list[Any]]]:
+    """subcommand -> (positional actions, optional actions) of nnef-kv's parser."""
+    import argparse
+
+    from nnef_kv.cli import build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    out = {}
+    for name, sp in sub.choices.items():
+        acts = [a for a in sp._actions if not isinstance(a, argparse._HelpAction)]
+        out[name] = ([a for a in acts if not a.option_strings],
+                     [a for a in acts if a.option_strings and a.dest not in CLI_NEVER])
+    return out
+
+
+CLI_ACTIONS = _cli_actions()
+CLI_COMMANDS = [c for c in sorted(CLI_ACTIONS) for _ in range(CLI_WEIGHTS.get(c, 2))]
+
+
+#: a command's starting options (the fuzzed ones come after and may override them): small work when valid
+CLI_PREFIX = {"demo": DEMO_TINY, "validate": ["--eval-tokens", "4", "--context", "8"],
+              "generate": ["--max-new-tokens", "4"],
+              "compare": ["--schemes", "kivi:8", "--context", "8", "--eval-tokens", "2", "--no-tract", "--jobs", "1"]}
+SANE_INTS, SANE_FLOATS, SANE_TEXTS = ["1", "2", "4", "8"], ["0", "0.5", "1", "2"], ["1,2,3", "8", "4", "5,9"]
+
+
+@st.composite
+def cli_argv(draw: st.DrawFn) -> list[str]:
+    """``[limits..., COMMAND, positionals..., options...]`` with paths as ``{in}/NAME`` / ``{out}/NAME``: one example
+    in three takes only sane values (so the happy paths run too), the others any value of the pools."""
+    ins = st.sampled_from(IN_NAMES).map(lambda n: "{in}/" + n)
+    outs = st.sampled_from(OUT_NAMES).map(lambda n: "{out}/" + n)
+    good = st.sampled_from(GOOD_INPUTS).map(lambda n: "{in}/" + n)
+    paths = st.one_of(ins, outs)
+    sane = draw(st.sampled_from([False, False, True]))
+    cmd = draw(st.sampled_from(CLI_COMMANDS))
+    positional, optional = CLI_ACTIONS[cmd]
+    argv = [*CLI_LIMITS]
+    if not sane and draw(st.sampled_from([False] * 9 + [True])):
+        argv += [draw(st.sampled_from(["--max-nesting", "--max-members", "--max-tensor-bytes"])),
+                 draw(st.sampled_from(INTS))]
+    argv += [cmd, *CLI_PREFIX.get(cmd, [])]
+    for _ in positional:
+        argv.append(draw(good if sane else st.one_of(good, ins, outs)))
+    required = [a for a in optional if a.required]
+    likely = [a for a in optional if any(o in CLI_LIKELY.get(cmd, ()) for o in a.option_strings)]
+    chosen = required + (draw(st.lists(st.sampled_from(likely), max_size=1)) if likely else [])
+    chosen += draw(st.lists(st.sampled_from(optional), max_size=2 if sane else 4)) if optional else []
+    for act in chosen:
+        argv.append(draw(st.sampled_from(act.option_strings)))
+        if act.nargs == 0:
+            continue
+        if act.choices:
+            argv.append(draw(st.sampled_from(list(act.choices) if sane else [*act.choices, "magic", ""])))
+        elif act.type is int:
+            argv.append(draw(st.sampled_from(SANE_INTS if sane else DEMO_INTS if cmd == "demo" else INTS)))
+        elif act.type is float:
+            argv.append(draw(st.sampled_from(SANE_FLOATS if sane else FLOATS)))
+        elif act.dest in ("output", "report_dir", "save_dir"):  # a target: out/..., or the command's own input
+            own = [a for a in argv if a.startswith("{in}/")] or ["{out}/new.npz"]
+            argv.append(draw(outs if sane else st.one_of(outs, outs, st.sampled_from(own))))
+        else:
+            argv.append(draw(st.one_of(good, st.sampled_from(SANE_TEXTS)) if sane
+                             else st.one_of(good, paths, st.sampled_from(TEXTS))))
+    if not sane and draw(st.sampled_from([False] * 19 + [True])):
+        argv.insert(draw(st.integers(0, len(argv))), draw(st.sampled_from(["--nope", "-", "--", "--debug", "-o"])))
+    return argv
+
+
+CLI_TIMES: dict[str, list[float]] = collections.defaultdict(list)
+
+
+@pytest.fixture(scope="module")
+def cli_world() -> Iterator[World]:
+    with tempfile.TemporaryDirectory(prefix="nnef-kv-fuzz-cli-") as d:
+        (Path(d) / "cwd").mkdir()
+        yield World.make(Path(d))
+    if os.environ.get("NNEF_KV_FUZZ_TIMES"):
+        for k, v in sorted(CLI_TIMES.items()):
+            print(f"cli {k:10s} n={len(v):5d} total={sum(v):7.1f}s max={max(v):6.2f}s")
+
+
+@FUZZ
+@given(argv=cli_argv())
+def test_cli(cli_world: World, argv: list[str]) -> None:
+    _count("cli")
+    cli_world.reset_out()
+    subs = cli_world.subs()
+    args = [a.format(**subs) for a in argv]
+    here = os.getcwd()
+    os.chdir(cli_world.root / "cwd")  # a relative path a value names lands in the world, not in the repository
+    try:
+        with memory_cap():
+            t0 = time.perf_counter()
+            rc, out, err = run_cli(args)
+            CLI_TIMES[next((a for a in argv if a in CLI_ACTIONS), "?")].append(time.perf_counter() - t0)
+    finally:
+        os.chdir(here)
+    assert rc in (0, 1, 2), (rc, args, err[-500:])
+    assert "internal error" not in err, (args, err[-800:])
+    if "--debug" not in args:
+        assert "Traceback" not in err, (args, err[-800:])
+        if rc == 2:
+            last = err.strip().splitlines()
+            assert last and (last[-1].startswith("nnef-kv")), (args, err[-500:])
+    assert cli_world.damage(args) == [], args
+
+
+def test_cli_count() -> None:
+    _check_count("cli")
 
 
 # ------------------------------------------------------------------------------------------------

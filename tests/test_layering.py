@@ -16,9 +16,9 @@ PACKAGE = REPO / "nnef_kv"
 
 #: low to high; a module belongs to the longest prefix listed (a package name covers its modules)
 LAYERS: list[tuple[str, ...]] = [
-    ("nnef_kv.errors", "nnef_kv.limits", "nnef_kv.atomic", "nnef_kv.progress"),
+    ("nnef_kv._version", "nnef_kv.errors", "nnef_kv.limits", "nnef_kv.targets", "nnef_kv.atomic", "nnef_kv.progress"),
     ("nnef_kv.grammar",),
-    ("nnef_kv.io.dat", "nnef_kv.io.blockquant", "nnef_kv.io.container"),
+    ("nnef_kv.io.dat", "nnef_kv.io.blockquant", "nnef_kv.io.container", "nnef_kv.io.npz", "nnef_kv.io.sniff"),
     ("nnef_kv.interpreter.registry", "nnef_kv.interpreter.params", "nnef_kv.interpreter.dtypes",
      "nnef_kv.interpreter.coerce"),
     ("nnef_kv.kv.common", "nnef_kv.kv.packing", "nnef_kv.kv.ggml"),
@@ -30,7 +30,7 @@ LAYERS: list[tuple[str, ...]] = [
      "nnef_kv.interpreter.attrs", "nnef_kv.interpreter.quant", "nnef_kv.interpreter.nested",
      "nnef_kv.interpreter.sources", "nnef_kv.interpreter.builder"),
     ("nnef_kv.interpreter.plan",),
-    ("nnef_kv.interpreter.session", "nnef_kv.interpreter"),
+    ("nnef_kv.interpreter.session", "nnef_kv.interpreter.check", "nnef_kv.interpreter"),
     ("nnef_kv.io.archive", "nnef_kv.io"),
     ("nnef_kv.tract_driver",),  # loads archives (io) into tract; used by validate
     ("nnef_kv.models", "nnef_kv.samples", "nnef_kv.text", "nnef_kv.summary"),
@@ -39,7 +39,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv.converters.frontends",),
     ("nnef_kv.converters",),
     ("nnef_kv.validate",),
-    ("nnef_kv.cli", "nnef_kv.cli_compare", "nnef_kv.__main__"),
+    ("nnef_kv.cli", "nnef_kv.cli_io", "nnef_kv.cli_run", "nnef_kv.cli_compare", "nnef_kv.__main__"),
     ("nnef_kv",),
 ]
 

@@ -203,9 +203,13 @@ def writer_cli_run_output() -> tuple[Callable[[Path], Any], Callable[[Path], Any
 
             err = io.StringIO()
             with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
-                rc = main(["run", str(src / "m.nnef.tar"), "--inputs", str(src / inputs), "-o", str(t), "--debug"])
+                rc = main(["run", str(src / "m.nnef.tar"), "--inputs", str(src / inputs), "-o", str(t)])
             if rc == 130:  # the CLI turns KeyboardInterrupt into exit status 130
                 raise KeyboardInterrupt
+            if rc == 2 and "(injected)" in err.getvalue():  # the CLI's one error line for the injected OSError
+                line = err.getvalue().strip()
+                assert "\n" not in line and f"-o {t}" not in line and str(t) in line and ".tmp" not in line, line
+                raise OSError(errno.ENOSPC, line)
             assert rc == 0, err.getvalue()
 
         return go
@@ -216,7 +220,7 @@ def writer_cli_run_output() -> tuple[Callable[[Path], Any], Callable[[Path], Any
 WRITERS: dict[str, Callable[[], tuple[Callable[[Path], Any], Callable[[Path], Any], str]]] = {
     "save-tar": lambda: writer_save(".nnef.tar"),
     "save-tgz": lambda: writer_save(".nnef.tgz"),
-    "save-folder": lambda: writer_save(".nnef"),
+    "save-folder": lambda: writer_save(""),  # a folder: a name without a suffix ("model.nnef" is refused now)
     "write_tensor": writer_write_tensor,
     "convert_file": writer_convert,
     "save_state": writer_save_state,

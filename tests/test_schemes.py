@@ -88,8 +88,22 @@ BAD = [  # (scheme, option values, the message after "option ")
     ("kivi", dict(bits=4.0), "bits=4.0: an integer is expected"),
     ("kivi", dict(bits=True), "bits=True: an integer is expected"),
     ("kivi", dict(bits=9, key_group=1.5), "key_group=1.5: an integer is expected"),  # types first, as before
-    ("tract", dict(bits=9), "bits=9: expected 1..8 (scheme tract is 8-bit whatever)"),
-    ("tract", dict(key_group=0), "key_group=0: must be >= 1"),  # not tract's option: still checked
+    ("tract", dict(bits=9), "bits=9: scheme tract stores 8-bit codes (tract_transformers_quantized_kv_sdpa): give 8 "
+                            "or no bits"),
+    # issue 13 item 8: a width tract's op would ignore is refused, not ignored (was: accepted with a note)
+    ("tract", dict(bits=4), "bits=4: scheme tract stores 8-bit codes (tract_transformers_quantized_kv_sdpa): give 8 "
+                            "or no bits"),
+    # an option the scheme does not take is refused, whatever its value (was: checked by its owner, then ignored)
+    ("tract", dict(key_group=0), "key_group=0: scheme tract does not take it (it takes bits; key_group is an option "
+                                 "of scheme kivi)"),
+    ("tract", dict(key_group=16), "key_group=16: scheme tract does not take it (it takes bits; key_group is an "
+                                  "option of scheme kivi)"),
+    ("tract-cache", dict(residual=8), "residual=8: scheme tract-cache does not take it (it takes bits, layer_bits; "
+                                      "residual is an option of scheme kivi)"),
+    ("kivi", dict(sinks=10 ** 20), "sinks=100000000000000000000: too large: the op holds it as a 64-bit integer "
+                                   "(at most 9223372036854775807)"),
+    ("kivi", dict(residual=2 ** 63), "residual=9223372036854775808: too large: the op holds it as a 64-bit integer "
+                                     "(at most 9223372036854775807)"),
     ("tract-cache", dict(bits=6), "bits=6: scheme tract-cache takes 4 or 8 bits"),
     ("tract-cache", dict(bits=3), "bits=3: scheme tract-cache takes 4 or 8 bits"),
     ("kivi", dict(colour=1), "colour=1: not an option of any scheme (scheme kivi takes bits, key_group, "
@@ -111,7 +125,7 @@ def test_one_check_per_scheme_for_every_entry_point(scheme, values, message, tmp
 
 
 @pytest.mark.parametrize("values", [dict(bits=9), dict(bits=0), dict(key_group=0), dict(value_group=-4),
-                                    dict(residual=-1), dict(sinks=-2)])
+                                    dict(residual=-1), dict(sinks=-2), dict(sinks=10 ** 20), dict(residual=2 ** 63)])
 def test_kivi_op_and_convert_refuse_in_the_same_words(values, tmp_path):
     """The op's constructor (attributes read from an archive) keeps its GraphError, with convert's words."""
     with pytest.raises(ConversionError) as conv:
@@ -123,16 +137,21 @@ def test_kivi_op_and_convert_refuse_in_the_same_words(values, tmp_path):
 
 def test_valid_options_take_the_scheme_defaults():
     assert S.scheme("kivi").validate({}) == S.KiviOptions(4, 32, 32, 32, 0)
-    o = ConvertOptions.of("tract", key_group=8)  # another scheme's option: checked, kept, ignored
-    assert o.as_dict() == {"scheme": "tract", "bits": 4, "key_group": 8, "value_group": 32, "residual": 32, "sinks": 0}
-    assert o.scheme_options == S.TractOptions(bits=4)
+    o = ConvertOptions.of("tract")  # only the scheme's own options, at its defaults
+    assert o.as_dict() == {"scheme": "tract", "bits": 8}
+    assert o.scheme_options == S.TractOptions(bits=8)
+    assert ConvertOptions.of("kivi").as_dict() == {"scheme": "kivi", "bits": 4, "key_group": 32, "value_group": 32,
+                                                   "residual": 32, "sinks": 0, "key_bits": 0, "value_bits": 0,
+                                                   "key_axis": "channel", "layer_bits": ""}
+    with pytest.raises(ConversionError, match="key_group=8: scheme tract does not take it"):
+        ConvertOptions.of("tract", key_group=8)  # was: checked, kept and ignored
+    with pytest.raises(ConversionError, match="key_group=8: scheme tract does not take it"):
+        ConvertOptions("tract", key_group=8).validate()
     assert ConvertOptions("kivi", 2).validate().scheme_options == S.KiviOptions(bits=2)
 
 
 def test_scheme_notes_and_report_settings():
-    assert S.scheme("tract").notes(S.TractOptions(4)) == ["bits=4 ignored: tract_transformers_quantized_kv_sdpa "
-                                                           "stores 8-bit codes"]
-    assert S.scheme("tract").notes(S.TractOptions(8)) == []
+    assert S.scheme("tract").notes(S.TractOptions(8)) == []  # no "bits ignored" note: such bits are refused
     assert S.report_settings("tract_transformers_quantized_kv_sdpa", {"axis": 2, "scale": 0.5}) == "bits 8"
     assert S.report_settings("nnef_kv_kivi_sdpa", {"axis": 2, "scale": 0.5, "bits": 4, "key_group": 32,
                                                    "is_causal": True}) == "bits 4, key_group 32"
@@ -214,9 +233,10 @@ def test_a_registered_scheme_is_picked_up_everywhere(fake_scheme, f32, tmp_path,
         assert main(["convert", str(f32), "-o", str(tmp_path / "bad.tar"), "--scheme", "kivi-window", *argv]) == 2
         assert needle in _err_line(capsys)
     assert not (tmp_path / "bad.tar").exists()
-    # another scheme's option given to kivi: checked by the scheme that declares it
-    with pytest.raises(ConversionError, match="option window=-3: must be >= 0"):
-        convert(f32, scheme="kivi", window=-3)
+    # another scheme's option given to kivi: refused, whatever its value (issue 13 item 8; was: checked by its owner)
+    for value in (-3, 4):
+        with pytest.raises(ConversionError, match=f"option window={value}: scheme kivi does not take it"):
+            convert(f32, scheme="kivi", window=value)
 
     # demo: a "bits" scheme gets a row per bit width
     from nnef_kv.validate.demo import DemoOptions, variants
@@ -255,3 +275,17 @@ def test_docs_list_the_files_a_scheme_touches():
                  "nnef_kv/converters/frontends/"):
         assert path in doc
         assert (REPO / path).exists(), path
+
+
+def test_huge_windows_allocate_nothing_up_front():
+    """Settings the op holds but no sequence reaches (sinks / residual of 10^15: never quantized) cost memory for
+    the tokens held only: the op used to reserve all of them at its first call (ValueError: Maximum allowed
+    dimension exceeded, for the archive convert --sinks 10^20 used to write)."""
+    rng = np.random.default_rng(0)
+    for kw in (dict(sinks=10 ** 15), dict(residual=10 ** 15), dict(key_group=10 ** 15)):
+        op = KiviSdpa(scale=0.25, bits=4, **kw)
+        for _ in range(3):
+            q, k, v = (rng.standard_normal((1, 2, 4, 16)).astype(np.float32) for _ in range(3))
+            out = op(q, k, v)
+        assert np.isfinite(out).all() and op.nbytes()["codes"] == 0, kw
+        assert sum(op.nbytes().values()) < 1 << 20, (kw, op.nbytes())

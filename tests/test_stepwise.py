@@ -231,7 +231,8 @@ def _decoder(cache: str, scheme: str | None, bits: int = 4):
     model = build_decoder(DecoderConfig(cache=cache, vocab=64, hidden=32, heads=4, kv_heads=2, head_dim=8, mlp=48))
     if scheme is None:
         return model
-    return convert(model, scheme=scheme, bits=bits, key_group=8, residual=8)[0]
+    kivi = dict(key_group=8, residual=8) if scheme == "kivi" else {}  # options the other schemes refuse
+    return convert(model, scheme=scheme, bits=bits, **kivi)[0]
 
 
 def _logits_one_by_one(model, ids, n0):

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -114,10 +115,39 @@ def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, bits: int | None =
     report.caches = [f"{c.role}s: '{c.full}' ({c.kind})" for c in ctx.caches]
     report.passes[-1].notes.extend(s.notes(ctx.settings))
     doc = g.document()
+    never = _never_quantized(s, ctx.settings, doc)
+    if never:
+        report.passes[-1].notes.append(never)
     new_model = _rebuild(model, doc, report)
     report.inputs = list(g.inputs)
     report.outputs = list(g.outputs)
     return new_model, report
+
+
+_BOUND = re.compile(r"^\s*[A-Za-z_]\w*\s*\+\s*[A-Za-z_]\w*\s*(<=?)\s*([0-9]+)\s*$")
+
+
+def positions_bound(doc: Any) -> tuple[int, str] | None:
+    """``(most positions, the assertion)`` of a ``tract_assert S+P < N`` (or ``<= N``) line, else None."""
+    for ext in getattr(doc, "extensions", ()):
+        m = _BOUND.match(ext.argument) if ext.name == "tract_assert" else None
+        if m:
+            n = int(m.group(2))
+            return (n - 1 if m.group(1) == "<" else n), f"tract_assert {ext.argument.strip()}"
+    return None
+
+
+def _never_quantized(s: Any, settings: Any, doc: Any) -> str | None:
+    """The note for options that keep every token in full precision on this graph (the op's window is
+    longer than the positions the graph holds), else None."""
+    bound = positions_bound(doc)
+    if s.window is None or bound is None:
+        return None
+    window = s.window(settings)
+    if window <= bound[0]:
+        return None
+    return (f"never quantized: the op quantizes once it holds {window} tokens ({s.settings_text(settings)}), the "
+            f"model holds at most {bound[0]} positions ({bound[1]}): every token stays in full precision")
 
 
 def _rebuild(model: Any, doc: Any, report: ConversionReport) -> Any:

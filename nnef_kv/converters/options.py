@@ -33,19 +33,20 @@ class ConvertOptions:
     scheme: a name of :data:`nnef_kv.kv.schemes.SCHEMES`: ``kivi`` (nnef-kv's ``nnef_kv_kivi_sdpa``),
     ``tract`` (``tract_transformers_quantized_kv_sdpa``) or ``tract-cache``
     (``tract_transformers_quantized_dyn_kv_cache`` per cache, attention unchanged).
-    bits: code bits (kivi 1..8; tract-cache 4 or 8; the tract fused op is always 8-bit and ignores it).
+    bits: code bits (kivi 1..8; tract-cache 4 or 8; tract: 8 only, its fused op stores 8-bit codes).
     key_group / value_group / residual / sinks: KIVI's grouping, full-precision window, attention sinks.
     extra: options of schemes that take others (name -> value).
+    An option left None is not given (the scheme's default); one the scheme does not take must be None.
 
     :meth:`validate` is the scheme's own check (:meth:`nnef_kv.kv.schemes.Scheme.validate`).
     """
 
     scheme: str = _schemes.DEFAULT_SCHEME
-    bits: int = 4
-    key_group: int = 32
-    value_group: int = 32
-    residual: int = 32
-    sinks: int = 0
+    bits: int | None = None
+    key_group: int | None = None
+    value_group: int | None = None
+    residual: int | None = None
+    sinks: int | None = None
     extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
 
     @classmethod
@@ -69,10 +70,10 @@ class ConvertOptions:
         return self.scheme_object.validate(self.values())
 
     def values(self) -> dict[str, Any]:
-        """Every option but the scheme, by name."""
+        """Every option given (not None) but the scheme, by name."""
         out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("scheme", "extra")}
         out.update(self.extra)
-        return out
+        return {k: v for k, v in out.items() if v is not None}
 
     def validate(self) -> "ConvertOptions":
         self.scheme_object.validate(self.values())
@@ -88,9 +89,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--scheme`` (the registered schemes) and every scheme's option flags (default: the scheme's)."""
     reg = _schemes.SCHEMES
     parser.add_argument("--scheme", default=_schemes.DEFAULT_SCHEME, choices=list(reg),
-                        help="; ".join(f"{s.name}: {s.summary}" for s in reg.values()))
+                        help="; ".join(f"{s.name}: {s.summary}" for s in reg.values())
+                        + f" (default {_schemes.DEFAULT_SCHEME})")
     for spec in _schemes.all_options():
-        parser.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, help=spec.help)
+        takers = [s for s in reg.values() if spec.name in s.option_names]
+        defaults = ", ".join(f"{_default(s, spec.name)} ({s.name})" for s in takers)
+        parser.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar="N",
+                            help=f"{spec.help or spec.name}{_only(takers, reg)}; default {defaults}")
+
+
+def _only(takers: list[_schemes.Scheme], reg: Mapping[str, _schemes.Scheme]) -> str:
+    if len(takers) == len(reg):
+        return ""
+    return f"; scheme{'s' if len(takers) > 1 else ''} {', '.join(s.name for s in takers)} only (refused by the others)"
+
+
+def _default(s: _schemes.Scheme, name: str) -> Any:
+    return next(o.default for o in s.option_specs if o.name == name)
 
 
 def from_arguments(args: argparse.Namespace) -> ConvertOptions:

@@ -12,12 +12,12 @@ import json
 import os
 import tarfile
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Mapping
 
 import numpy as np
 
 from ..atomic import atomic_write
-from ..errors import GraphError, InputError, NnefKvError, StateError
+from ..errors import GraphError, InputError, NnefKvError, StateError, clip
 from ..grammar import ast as A
 from .graph import Node
 from .graph import slots_of as _slots_of
@@ -125,6 +125,11 @@ class Session:
         A kernel failing raises ``file:line:col: node 'name' (op): message`` (GraphError, or the
         kernel's own nnef-kv error type)."""
         plan = self.plan
+        if not isinstance(inputs, Mapping):
+            from ..errors import ArgumentError, describe, names as _names
+
+            raise ArgumentError(f"session.run: inputs must be a dict of input name -> array (the graph's inputs: "
+                                f"{_names(plan.input_names)}), got {describe(inputs)}")
         names: list[str] = []
         slots: list[int] = []
         if capture is not None:
@@ -296,7 +301,9 @@ class Session:
     def save_state(self, path: str | os.PathLike) -> None:
         """Write every state's tensors as ``.dat`` files in a tar archive, with a manifest naming the model."""
         from ..io.dat import write_tensor
+        from ..targets import path_arg
 
+        path = path_arg(path, "session.save_state", "the path of the state file to write")
         manifest: dict[str, Any] = {"format": STATE_FORMAT, "version": 1, "model": self.plan.fingerprint,
                                     "nodes": []}
         members: list[tuple[str, bytes]] = []
@@ -322,7 +329,13 @@ class Session:
     def load_state(self, path: str | os.PathLike) -> None:
         """Restore states written by :meth:`save_state`; a state of another model -> StateError."""
         from ..io.dat import read_tensor
+        from ..targets import kind_of, path_arg, resolve
 
+        path = path_arg(path, "session.load_state", "the path of a state file written by save_state")
+        kind = kind_of(resolve(path))
+        if kind != "file":
+            raise StateError(f"{path}: {'no such file' if kind == 'absent' else 'is a ' + kind}: not a saved session "
+                             f"state")
         try:
             with tarfile.open(path, mode="r") as tar:
                 files: dict[str, bytes] = {}
@@ -332,8 +345,10 @@ class Session:
                     fh = tar.extractfile(m)
                     if fh is not None:
                         files[m.name] = fh.read()
-        except (OSError, tarfile.TarError) as exc:
-            raise StateError(f"{path}: not a saved session state: {exc}") from None
+        except tarfile.TarError:
+            raise StateError(f"{path}: not a saved session state (not a tar archive)") from None
+        except OSError as exc:
+            raise StateError(f"{path}: not a saved session state: {clip(' '.join(str(exc).split()), 120)}") from None
         if STATE_MANIFEST not in files:
             raise StateError(f"{path}: no {STATE_MANIFEST} (not a saved session state)")
         try:

@@ -23,11 +23,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ArchiveError, GraphError
+from ..errors import ArchiveError, ArgumentError, GraphError, describe
 from ..grammar import ast
 from ..limits import Limits, current_limits
-from .container import Buffer, Member, read_container, write_container
+from ..targets import kind_of, path_arg
+from .container import Buffer, Member, check_model_target, read_container, write_container
 from .dat import DatInfo, TensorValue, decode_tensor, encode_parts, info_fits
+from .sniff import describe_file
 
 if TYPE_CHECKING:  # pragma: no cover
     from ..interpreter.session import Session
@@ -133,7 +135,8 @@ class Model:
         import tempfile
 
         if not isinstance(label, str) or not _plain_label(label):
-            raise GraphError(f"sub-model label {label!r} is not a plain file name (no '/', '\\', '..' or absolute path)")
+            raise GraphError(f"sub-model label {label!r} is not a plain file name (no '/', '\\', '..' or "
+                             f"absolute path)")
 
         resources: dict[str, bytes] = self.resources or {}
         tmp = Path(tempfile.mkdtemp(prefix="nnef-kv-submodel-"))
@@ -199,10 +202,20 @@ def load(path: str | os.PathLike, limits: Limits | None = None, *, check: bool =
     Nothing is extracted to disk; tensors are views into the mapped files where the container is
     not compressed. ``check`` verifies that every variable has its tensor.
     """
+    where = path_arg(path, "nnef_kv.load", "the path of a model folder, .tar or .tgz")
+    if limits is not None and not isinstance(limits, Limits):
+        raise ArgumentError(f"nnef_kv.load: limits must be an nnef_kv.Limits, got {describe(limits)}")
     limits = limits or current_limits()
-    where = os.fspath(path)
-    if not os.path.exists(where):
+    if not os.path.lexists(where):
         raise ArchiveError(f"{where}: no such file or folder")
+    if os.path.isfile(where):
+        what = describe_file(where)
+        if what is not None:
+            raise ArchiveError(f"{where}: not an NNEF model archive: {what}")
+    elif not os.path.isdir(where):
+        kind = kind_of(where)
+        raise ArchiveError(f"{where}: {'a ' if kind[0] not in 'aeiou' else 'an '}{kind}, not a model folder, .tar or "
+                           f".tgz file")
     _, members = read_container(where, limits)
     by_name = {m.name: m for m in members}
     if GRAPH_NNEF not in by_name:
@@ -279,9 +292,16 @@ def model_members(model: Model, where: str = "<model>") -> dict[str, list[Buffer
 def save(model: Model, path: str | os.PathLike) -> Path:
     """Write ``model`` to a folder, ``.tar`` or ``.tgz``/``.tar.gz`` (chosen from the suffix).
 
-    Reproducible: the same model gives the same bytes. The target appears only complete.
+    Reproducible: the same model gives the same bytes. The target appears only complete. A folder is
+    written for a name without a suffix or an existing model folder; any other suffix, a non-empty folder
+    that is not a model, a regular file where the folder would go, a FIFO or device are refused
+    (:class:`~nnef_kv.errors.OutputError`, :func:`nnef_kv.io.container.check_model_target`): nothing is
+    deleted or replaced then.
     """
-    where = os.fspath(path)
+    where = path_arg(path, "nnef_kv.save", "the path to write (a folder, .tar, .tgz or .tar.gz)")
+    if not isinstance(model, Model):
+        raise ArgumentError(f"nnef_kv.save: expected an nnef_kv.Model to save, got {describe(model)}")
+    check_model_target(where, probe=False)  # refused before anything is encoded
     members = model_members(model, where)
     write_container(where, members)
     return Path(where)

@@ -26,9 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator, Sequence
 
-from ..atomic import atomic_dir, atomic_write, default_mode
-from ..errors import ArchiveError, LimitError
+from ..atomic import atomic_dir, atomic_write, default_mode  # noqa: F401 (default_mode: re-exported)
+from ..errors import ArchiveError, LimitError, OutputError
 from ..limits import Limits, current_limits
+from ..targets import check_file, check_folder, kind_of, resolve
 from .dat import HEADER_SIZE
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -321,14 +322,45 @@ class _PartsReader(io.RawIOBase):
         return n
 
 
+#: what a model may be written as, for messages
+MODEL_TARGETS = ".tar, .tgz or .tar.gz file, or a folder (a name without a suffix, or an existing model folder)"
+
+
 def container_kind_for_suffix(path: str | os.PathLike) -> str:
-    """Format chosen from a target name: ``.tgz``/``.tar.gz`` -> tgz, ``.tar`` -> tar, else folder."""
-    name = Path(path).name.lower()
+    """Format chosen from a target name: ``.tgz``/``.tar.gz`` -> tgz, ``.tar`` -> tar, a name without a
+    suffix (or an existing folder) -> folder; any other suffix (``.zip``, ``.nnef``, ``.onnx``) is an
+    :class:`~nnef_kv.errors.OutputError` listing the accepted ones."""
+    p = Path(os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path))
+    name = p.name.lower()
     if name.endswith((".tgz", ".tar.gz")):
         return "tgz"
     if name.endswith(".tar"):
         return "tar"
-    return "dir"
+    if kind_of(resolve(p)) == "folder" or not Path(name).suffix:
+        return "dir"
+    raise OutputError(f"{os.fspath(p)}: cannot write a model as {Path(name).suffix!r}: name a {MODEL_TARGETS}")
+
+
+def check_model_target(path: str | os.PathLike, inputs: Iterable[str | os.PathLike] = (), *,
+                       probe: bool = True) -> tuple[Path, str]:
+    """``(path to write, kind)`` for a model target, after refusing what :func:`save` must not replace: an
+    unknown suffix, a non-empty folder that is not a model (no ``graph.nnef``), a regular file where a folder
+    goes, anything but a regular file or a new path for an archive (:func:`nnef_kv.targets.check_file`), the
+    inputs, an unwritable folder (``probe``)."""
+    given = os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path)
+    kind = container_kind_for_suffix(given)
+    if kind != "dir":
+        return check_file(given, "a model archive", inputs=inputs, probe=probe), kind
+    real = check_folder(given, "a model folder", inputs=inputs, probe=probe)
+    if kind_of(real) == "folder":
+        try:
+            entries = os.listdir(real)
+        except OSError as e:
+            raise OutputError(f"{given}: cannot list the folder ({e.strerror or e})", e.errno) from None
+        if entries and not os.path.isfile(real / "graph.nnef"):
+            raise OutputError(f"{given}: a folder that is not a model (no graph.nnef) and not empty: refusing to "
+                              f"replace it; name a new folder or a .tar/.tgz file")
+    return real, kind
 
 
 def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
@@ -351,29 +383,29 @@ def write_tar_stream(fileobj: BinaryIO, members: Iterable[tuple[str, Sequence[Bu
 
 
 def write_container(path: str | os.PathLike, members: dict[str, Sequence[Buffer]], kind: str | None = None) -> str:
-    """Write ``members`` (name -> buffers) as a folder, tar or tgz (from the suffix); returns the kind."""
-    kind = kind or container_kind_for_suffix(path)
-    where = str(path)
+    """Write ``members`` (name -> buffers) as a folder, tar or tgz (from the suffix: :func:`check_model_target`,
+    which also refuses what must not be replaced); returns the kind."""
+    target, found = check_model_target(path, probe=False)
+    kind = kind or found
+    where = os.fsdecode(path) if isinstance(path, bytes) else os.fspath(path)
     names = sorted(members)
     for n in names:
         check_writable_name(n, where)
     if kind == "dir":
-        with atomic_dir(path) as tmp:
-            os.chmod(tmp, default_mode(0o777))
+        with atomic_dir(target) as tmp:
             for n in names:
-                target = tmp.joinpath(*n.split("/"))
-                target.parent.mkdir(parents=True, exist_ok=True)
-                with open(target, "wb") as f:
+                out = tmp.joinpath(*n.split("/"))
+                out.parent.mkdir(parents=True, exist_ok=True)
+                with open(out, "wb") as f:
                     for p in members[n]:
                         f.write(p)
         return kind
-    with atomic_write(path) as f:
-        os.fchmod(f.fileno(), default_mode())
+    if kind not in ("tgz", "tar"):
+        raise ArchiveError(f"{where}: unknown container kind {kind!r}")
+    with atomic_write(target) as f:
         if kind == "tgz":
             with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=6) as gz:
                 write_tar_stream(gz, ((n, members[n]) for n in names))  # type: ignore[arg-type]
-        elif kind == "tar":
-            write_tar_stream(f, ((n, members[n]) for n in names))
         else:
-            raise ArchiveError(f"{where}: unknown container kind {kind!r}")
+            write_tar_stream(f, ((n, members[n]) for n in names))
     return kind

@@ -46,9 +46,10 @@ from typing import BinaryIO, Union
 
 import numpy as np
 
-from ..atomic import atomic_write, default_mode
+from ..atomic import atomic_write
 from ..errors import LimitError, TensorFileError
 from ..limits import Limits, current_limits
+from ..targets import kind_of, path_arg, resolve
 from .blockquant import FORMATS as BLOCK_FORMATS
 from .blockquant import BlockQuantTensor
 
@@ -386,9 +387,12 @@ def read_tensor(
     with ``with_info=True``. Errors are :class:`TensorFileError` naming the file.
     """
     limits = limits or current_limits()
-    if isinstance(source, (str, os.PathLike)):
-        path = os.fspath(source)
+    if isinstance(source, (str, os.PathLike, bytes, bytearray)) or not hasattr(source, "read"):
+        path = path_arg(source, "nnef_kv.read_tensor", "the path of a .dat file or a binary file object")
         label = name or path
+        kind = kind_of(resolve(path))
+        if kind != "file":
+            raise TensorFileError(f"{label}: {'no such file' if kind == 'absent' else 'is a ' + kind}, not a .dat file")
         try:
             with open(path, "rb") as f:
                 size = os.fstat(f.fileno()).st_size
@@ -518,11 +522,10 @@ def write_tensor(
     target: str | os.PathLike | BinaryIO, value: TensorValue, *, info: DatInfo | None = None
 ) -> None:
     """Write a ``.dat`` file to a path (atomically) or to a binary file object."""
-    if isinstance(target, (str, os.PathLike)):
-        name = os.fspath(target)
+    if isinstance(target, (str, os.PathLike, bytes, bytearray)) or not hasattr(target, "write"):
+        name = path_arg(target, "nnef_kv.write_tensor", "the path of the .dat file to write or a binary file object")
         parts = encode_parts(value, info, name=name)
-        with atomic_write(target) as f:
-            os.fchmod(f.fileno(), default_mode())
+        with atomic_write(name) as f:
             for p in parts:
                 f.write(p)
     else:

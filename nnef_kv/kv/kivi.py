@@ -75,6 +75,7 @@ def hadamard(d: int) -> np.ndarray:
     return (qm * np.sign(np.diag(r))).astype(np.float32)
 
 
+SINK_CHUNK = 256  # the most tokens a sink or window buffer reserves at once (more grow the buffer as they come)
 #: the integer settings of the op; scheme ``kivi`` checks its options with :func:`kivi_problem` too
 KIVI_SETTINGS = {"bits": IntSetting(1, 8, reason="scheme kivi takes 1..8 bits"), "key_group": IntSetting(1),
                  "value_group": IntSetting(1), "residual": IntSetting(0), "sinks": IntSetting(0),
@@ -195,11 +196,12 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         rb = self.codec.row_bytes
         # codes grow by pages of >= 64 tokens, or 1/32 of what is held: < 3.2% unused capacity
         page = -(-64 // c.key_group) * c.key_group
-        self.sink_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(c.sinks, 1))
-        self.sink_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(c.sinks, 1))
-        cap = c.residual + c.key_group - 1
-        self.res_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(cap, 1))
-        self.res_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=max(cap, 1))
+        # memory follows the tokens held, not the settings: a huge sinks (or residual) reserves nothing up front
+        sink_chunk, cap = max(1, min(c.sinks, SINK_CHUNK)), max(1, min(c.residual + c.key_group - 1, SINK_CHUNK))
+        self.sink_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=sink_chunk)
+        self.sink_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=sink_chunk)
+        self.res_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=cap)
+        self.res_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=cap)
         g = 1.03125
         self.k_codes = GrowBuffer((n,), (rb,), np.uint8, growth=g, min_chunk=page)
         self.v_codes = GrowBuffer((n,), (self.v_codec.row_bytes,), np.uint8, growth=g, min_chunk=page)

@@ -68,9 +68,10 @@ def _specs(options: type) -> tuple[OptionSpec, ...]:
 class KiviOptions:
     """Options of scheme ``kivi`` (checked by :func:`nnef_kv.kv.kivi.kivi_problem`, as the op's attributes)."""
 
-    bits: int = option(4)
-    key_group: int = option(32)
-    value_group: int = option(32)
+    bits: int = option(4, "bits of each key and value code")
+    key_group: int = option(32, "tokens per key group (keys are quantized per channel over this many tokens)")
+    value_group: int = option(32, "channels per value group (values are quantized per token in groups of this "
+                                  "many channels)")
     residual: int = option(32, "newest tokens kept in full precision")
     sinks: int = option(0, "first tokens kept in full precision")
     key_bits: int = option(0, "kivi: bits of the keys (0: --bits)")
@@ -84,9 +85,10 @@ class KiviOptions:
 
 @dataclass(frozen=True)
 class TractOptions:
-    """Options of scheme ``tract``: ``bits`` is accepted (1..8) and ignored, tract's fused op stores 8-bit codes."""
+    """Options of scheme ``tract``: ``bits`` can only be 8 (tract's fused op stores 8-bit codes; another
+    width is refused rather than ignored)."""
 
-    bits: int = option(4)
+    bits: int = option(8)
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,8 @@ class HfOptions:
     layer_bits: str = option("", type=str)
 
 
-TRACT_SETTINGS = {"bits": IntSetting(1, 8, reason="expected 1..8 (scheme tract is 8-bit whatever)")}
+TRACT_SETTINGS = {"bits": IntSetting(8, 8, allowed=(8,), reason="scheme tract stores 8-bit codes "
+                                     "(tract_transformers_quantized_kv_sdpa): give 8 or no bits")}
 TRACT_CACHE_SETTINGS = {"bits": IntSetting(4, 8, allowed=(4, 8), reason="scheme tract-cache takes 4 or 8 bits")}
 KIVI_VARIANT_SETTINGS = {"key_bits": IntSetting(0, 8, reason="0 (= bits) or 1..8"),
                          "value_bits": IntSetting(0, 8, reason="0 (= bits) or 1..8")}
@@ -265,6 +268,8 @@ class Scheme:
     mask_note: str = ""  # attention schemes: what becomes of a mask ({output}, {mask}, {op})
     fixed_bits: int | None = None  # the op stores this many bits whatever the bits option
     notes: Callable[[Any], list[str]] = lambda options: []  # notes for the conversion report
+    #: tokens the op holds before it quantizes any (sinks + window), from the options; None: from the first
+    window: Callable[[Any], int] | None = None
     reported: tuple[str, ...] = ()  # attributes of the op a validation report shows
     reported_unless: Mapping[str, Any] = field(default_factory=dict)  # ... unless they hold these (defaults)
     demo: str | None = None  # "bits": demo rows at each --bits width; "tract": one row, dropped by --no-tract
@@ -288,9 +293,9 @@ class Scheme:
     def validate(self, values: Mapping[str, Any]) -> Any:
         """The scheme's options from ``values`` (a missing or None value: the scheme's default).
 
-        Every value is checked: the scheme's own by :attr:`check`; one the scheme does not take by the
-        check of the first scheme that takes it (so a bad value is refused whatever the scheme; a valid
-        one is ignored). Raises :class:`ConversionError` ``option name=value: reason`` (one line)."""
+        Every value is checked: the scheme's own by :attr:`check`; a value of an option the scheme does not
+        take is refused (it would be ignored: ``--scheme tract --key-group 16``), as is an option no scheme
+        takes. Raises :class:`ConversionError` ``option name=value: reason`` (one line)."""
         mine = set(self.option_names)
         own = {k: v for k, v in values.items() if k in mine and v is not None}
         bad = self.check(own)
@@ -301,7 +306,8 @@ class Scheme:
                 continue
             owner = next((s for s in SCHEMES.values() if k in s.option_names), None)
             takes = ", ".join(self.option_names) or "none"
-            bad = owner.check({k: v}) if owner is not None else Problem(
+            bad = Problem(k, v, f"scheme {self.name} does not take it (it takes {takes}; {k} is an option of "
+                                f"scheme {owner.name})") if owner is not None else Problem(
                 k, v, f"not an option of any scheme (scheme {self.name} takes {takes})")
         if bad is not None:
             raise ConversionError(f"option {bad}")
@@ -369,10 +375,6 @@ def _tract_cache_attributes(o: TractCacheOptions, site: CacheSite) -> dict[str, 
     return dict(bits=kb if site.role == "key" else vb, per_channel=1 if site.role == "key" else 0)
 
 
-def _tract_notes(o: TractOptions) -> list[str]:
-    return [f"bits={o.bits} ignored: tract_transformers_quantized_kv_sdpa stores 8-bit codes"] if o.bits != 8 else []
-
-
 SCHEMES: dict[str, Scheme] = {
     "kivi": Scheme(
         name="kivi", op="nnef_kv_kivi_sdpa", summary="nnef_kv_kivi_sdpa (1..8 bits)", rewrite="attention",
@@ -381,13 +383,14 @@ SCHEMES: dict[str, Scheme] = {
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("bits", "value_bits", "key_group", "value_group", "residual", "sinks", "key_axis"), demo="bits",
         reported_unless={"value_bits": 0, "key_axis": "channel"},
+        window=lambda o: o.sinks + o.residual + o.key_group,
         doc="nnef-kv's accurate op: KIVI codes (keys per channel, values per token), a full-precision window "
             "and sinks, causal mask built in"),
     "tract": Scheme(
         name="tract", op="tract_transformers_quantized_kv_sdpa",
         summary="tract_transformers_quantized_kv_sdpa (8 bits)", rewrite="attention", options=TractOptions,
         check=lambda values: first_problem(values, TRACT_SETTINGS),
-        make_attributes=_tract_attributes, fixed_bits=8, notes=_tract_notes,
+        make_attributes=_tract_attributes, fixed_bits=8,
         mask_note="attention '{output}': mask '{mask}' dropped: {op} has no causal mask (a multi-token call "
                   "attends to its whole cache)",
         demo="tract", doc="tract's fused op (u8 codes; no causal mask: a multi-token call attends to its whole cache)"),

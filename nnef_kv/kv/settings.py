@@ -18,13 +18,20 @@ class Problem(NamedTuple):
     reason: str
 
     def __str__(self) -> str:
-        return f"{self.name}={self.value!r}: {self.reason}"
+        value = repr(self.value)
+        return f"{self.name}={value if len(value) <= 60 else value[:57] + '...'}: {self.reason}"
+
+
+#: the largest value an op's integer attribute holds: the ops keep their settings (and save them in a state)
+#: as 64-bit signed integers, as tract reads NNEF integer attributes
+INT_ATTRIBUTE_MAX = (1 << 63) - 1
 
 
 @dataclass(frozen=True)
 class IntSetting:
-    """An integer setting: at least ``lowest``, at most ``highest``, one of ``allowed`` when given;
-    ``reason`` replaces the default wording of a value out of range."""
+    """An integer setting: at least ``lowest``, at most ``highest`` (without one: what the op's 64-bit
+    attribute holds, :data:`INT_ATTRIBUTE_MAX`), one of ``allowed`` when given; ``reason`` replaces the
+    default wording of a value out of range."""
 
     lowest: int
     highest: int | None = None
@@ -34,6 +41,9 @@ class IntSetting:
     def problem(self, name: str, value: Any) -> Problem | None:
         if not isinstance(value, int) or isinstance(value, bool):
             return Problem(name, value, "an integer is expected")
+        if self.highest is None and value > INT_ATTRIBUTE_MAX:
+            return Problem(name, value, f"too large: the op holds it as a 64-bit integer (at most "
+                                        f"{INT_ATTRIBUTE_MAX})")
         ok = value >= self.lowest and (self.highest is None or value <= self.highest) \
             and (self.allowed is None or value in self.allowed)
         if ok:

@@ -6,7 +6,8 @@ weights, 256 ids read by a byte-level tokenizer), converts it with each scheme w
 (``tract``: tract's fused u8 op, at its fixed bits; left out by ``--no-tract``), and validates every
 conversion against the f32 model on the text shipped with the package (the Declaration of
 Independence): at each context, the prompt is prefilled and the next ``eval_tokens`` tokens of the
-text are teacher-forced (see :mod:`.runner`). The contexts are past the full-precision window, so the quantized cache is what is
+text are teacher-forced (see :mod:`.runner`). The contexts are past the full-precision window, so the quantized cache
+is what is
 measured. One row per model and context.
 """
 from __future__ import annotations
@@ -63,7 +64,8 @@ class DemoRow:
         def f(x: float | None, spec: str = ".4f") -> str:
             return "-" if x is None else format(x, spec)
 
-        return [self.label, self.bits, str(self.context), f"{self.quantized} / {self.full_precision}", f"{self.kv_bytes:,}",
+        return [self.label, self.bits, str(self.context), f"{self.quantized} / {self.full_precision}",
+                f"{self.kv_bytes:,}",
                 f(self.ratio, ".3f"), f(self.attention_max), f(self.attention_mean),
                 "-" if self.top1 is None else f"{100 * self.top1:.1f} %", f(self.kl_mean, ".3g"), f(self.kl_p99, ".3g"),
                 f(self.ppl_ratio, ".4f"), self.round_trip, self.parity]
@@ -88,7 +90,8 @@ def demo_tokens(vocab: int) -> Any:
     if vocab < 256:
         raise InputError(f"--vocab {vocab}: the demo reads a byte-level text, it needs a vocabulary of at least 256")
     src = token_source(prompt=sample_text(), tokenizer=byte_level_tokenizer(), names={"prompt": "the sample text"})
-    src.description = f"{len(src.ids)} tokens of the sample text (the Declaration of Independence, byte-level tokenizer)"
+    src.description = (f"{len(src.ids)} tokens of the sample text (the Declaration of Independence, byte-level "
+                       f"tokenizer)")
     return src
 
 
@@ -133,7 +136,9 @@ def run_demo(opts: DemoOptions, progress: Any = None) -> list[DemoRow]:
             if kw is None:
                 model, path = ref, ref_path
             else:
-                model, _ = convert(ref, key_group=opts.key_group, value_group=opts.value_group, residual=opts.residual, **kw)
+                kivi = {"key_group": opts.key_group, "value_group": opts.value_group, "residual": opts.residual}
+                taken = SCHEMES[kw["scheme"]].option_names  # a scheme is given only the options it takes
+                model, _ = convert(ref, **{k: v for k, v in kivi.items() if k in taken}, **kw)
                 path = base / f"{kw['scheme']}{bits}.nnef.tar"
                 save(model, path)
                 model = load(path)

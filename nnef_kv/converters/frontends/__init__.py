@@ -52,10 +52,16 @@ def detect(path: str | os.PathLike) -> FrontEnd | None:
 def load(path: str | os.PathLike) -> Any:
     """Read ``path`` with its front end. Raises one line naming the file: no such file, not a kind any
     front end reads (listing the accepted kinds), or the front end's own error."""
-    where = os.fspath(path)
+    from ...targets import path_arg
+
+    where = path_arg(path, "convert", "the path of a model")
     fe = detect(where)
     if fe is None:
         if not os.path.exists(where):
             raise ArchiveError(f"{where}: no such file or folder")
-        raise ConversionError(f"{where}: not a model nnef-kv reads (accepted: {accepted()})")
+        from ...io.sniff import describe_file
+
+        what = describe_file(where) if os.path.isfile(where) else None
+        raise ConversionError(f"{where}: {what + '; ' if what else ''}not a model nnef-kv reads (accepted: "
+                              f"{accepted()})")
     return fe.load(Path(where))

@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
-from ...errors import GraphError, InputError, NnefKvError, NnefSyntaxError
+from ...errors import GraphError, InputError, NnefKvError, NnefSyntaxError, clip, describe, names
 from ..graph import Graph, InputSpec, Node, slots_of as _slots_of
 from ..values import Lazy
 from .parallel import SPLITTER
@@ -111,7 +111,7 @@ def bind_inputs(plan: Plan, inputs: dict[str, Any],
     known = {i.name for i in plan.inputs}
     extra = [k for k in inputs if k not in known]
     if extra:
-        raise InputError(f"unknown input '{extra[0]}' (the graph's inputs are {sorted(known)})")
+        raise InputError(f"unknown input {clip(repr(extra[0]), 80)} (the graph's inputs are {names(sorted(known))})")
     later: list[tuple[InputSpec, int, Any, int]] = []
     arrays: list[tuple[InputSpec, np.ndarray]] = []
     for spec in plan.inputs:
@@ -122,7 +122,8 @@ def bind_inputs(plan: Plan, inputs: dict[str, Any],
             try:
                 x = np.asarray(x, dtype=spec.dtype)
             except (TypeError, ValueError) as exc:
-                raise InputError(f"input '{spec.name}': cannot convert to {spec.dtype}: {exc}") from None
+                raise InputError(f"input '{spec.name}': cannot convert {describe(x)} to {spec.dtype}: "
+                                 f"{clip(exc, 100)}") from None
         if x.dtype != spec.dtype:
             raise InputError(f"input '{spec.name}' has dtype {x.dtype}, the graph declares {spec.dtype}")
         if x.ndim != len(spec.shape):
