@@ -390,3 +390,30 @@ def test_same_results_in_a_subprocess_without_numba():
     for key in ("y", "att"):
         a, b = np.array(res["0"][key]), np.array(res["1"][key])
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * float(np.abs(b).max()))
+
+
+@requires_numba
+@pytest.mark.parametrize("case", ["prefill", "inf-score", "nan-query", "masked-row"])
+def test_pooled_heads_keep_the_one_thread_bits(monkeypatch, case):
+    """The pool runs each head whole (scores, its softmax, values): a prefill chunk's causal mask, and rows
+    whose max is not finite (then the reference's all-heads rule: recomputed on one thread), give the
+    one-thread bits; so does a head with a +inf score beside a head with a NaN one."""
+    from nnef_kv.kernels import _kivi_jit as kj
+
+    monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+    monkeypatch.setattr(kj, "PARALLEL", "pool")
+    rng = np.random.default_rng(11)
+    sd = _cache(rng, bits=4, kg=32, vg=32, d=64, hkv=4, t=300, sinks=1, residual=8, params="f16")
+    sq = 3 if case == "prefill" else 1
+    q = rng.standard_normal((4, 2 * sq, 64)).astype(np.float32)
+    if case == "inf-score":
+        q[1, 0, 3] = np.inf
+        q[2, 0, 5] = np.nan
+    elif case == "nan-query":
+        q[0, 1, :] = np.nan
+    elif case == "masked-row":
+        q[3, 0, :] = -np.inf
+        q[3, 0, 1] = np.inf
+    one = ka.attend(sd, q, sq, threads=1)
+    np.testing.assert_array_equal(ka.attend(sd, q, sq, threads=2), one)
+    np.testing.assert_array_equal(ka.attend(sd, q, sq, threads=4), one)
