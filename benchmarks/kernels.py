@@ -79,7 +79,9 @@ def bench_weights(rounds: int) -> None:
                 wd = np.ascontiguousarray(t.dequantize().reshape(n, k))
                 x = rng.standard_normal(k).astype(np.float32)
                 if fmt not in jit_printed:
-                    print(f"  {fmt} first call (JIT compile or cache load): {first_call(lambda: bq.matvec(p, x)):.2f} s")
+                    print(
+                        f"  {fmt} first call (JIT compile or cache load): {first_call(lambda: bq.matvec(p, x)):.2f} s"
+                    )
                     jit_printed.add(fmt)
                 np.testing.assert_allclose(bq.matvec(p, x), wd @ x, rtol=1e-3, atol=1e-3)
                 inner = max(1, int(2e6 // (n * k)))

@@ -93,7 +93,9 @@ def run(args: argparse.Namespace) -> dict[str, float]:
         ts.append(t_s)
         to.append(t_o)
         ratios.append(t_o / t_s)
-        print(f"  round {r + 1}: stepwise {t_s * 1000:8.1f} ms, one-token calls {t_o * 1000:8.1f} ms: {t_o / t_s:6.2f}x")
+        print(
+            f"  round {r + 1}: stepwise {t_s * 1000:8.1f} ms, one-token calls {t_o * 1000:8.1f} ms: {t_o / t_s:6.2f}x"
+        )
     rel = float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
     agree = float(np.mean(np.argmax(a, -1) == np.argmax(b, -1)))
     state_rel = 0.0

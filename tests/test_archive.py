@@ -137,7 +137,9 @@ def test_fixture_archives_load_and_round_trip_exactly(tmp_path, archive):
     labels = model.variable_labels()
     assert labels and all(model.resolve_label(lab) for lab in labels)
     with tarfile.open(archive) as tf:
-        raw = {m.name[:-4].removeprefix("./"): tf.extractfile(m).read() for m in tf.getmembers() if m.name.endswith(".dat")}
+        raw = {
+            m.name[:-4].removeprefix("./"): tf.extractfile(m).read() for m in tf.getmembers() if m.name.endswith(".dat")
+        }
     assert sorted(raw) == sorted(model.tensors)
     out = save(model, tmp_path / "copy.nnef.tgz")
     with tarfile.open(out) as tf:

@@ -263,14 +263,18 @@ def test_ids_outside_the_vocabulary_name_the_option(text_ref) -> None:
     from nnef_kv.text import token_source
 
     src = token_source(ids=[1, 2, 300, 4] * 100, names={"ids": "--ids"})
-    with pytest.raises(nnef_kv.InputError, match=r"^--ids: token id 300 at position 2 is outside the model's vocabulary of 256"):
+    with pytest.raises(
+        nnef_kv.InputError, match=r"^--ids: token id 300 at position 2 is outside the model's vocabulary of 256"
+    ):
         validate_model(_kivi(text_ref, 4), text_ref, src, ValidateOptions(contexts=[64], eval_tokens=8))
 
 
 def test_chunked_prefill_is_near_the_one_call_prefill(text_ref, source) -> None:
     m = _kivi(text_ref, 4)
     one = validate_model(m, text_ref, source, ValidateOptions(contexts=[256], eval_tokens=16, parity=False))
-    chunked = validate_model(m, text_ref, source, ValidateOptions(contexts=[256], eval_tokens=16, chunk=64, parity=False))
+    chunked = validate_model(
+        m, text_ref, source, ValidateOptions(contexts=[256], eval_tokens=16, chunk=64, parity=False)
+    )
     a, b = one.contexts[0], chunked.contexts[0]
     assert b.chunk == 64 and b.archive.reads[0] > 0 == a.archive.reads[0]  # earlier chunks are read quantized
     assert b.summary()["kl_mean"] < 10 * a.summary()["kl_mean"] + 1e-6

@@ -80,8 +80,12 @@ def detect_signature(plan: Any, where: str = "<model>") -> DecodeSignature:
             raise InputError(f"{where}: cannot drive input '{s.name}' ({s.dtype}): a decoder takes token ids and "
                              f"optionally cache inputs")
         caches.append(s)
-    sig = DecodeSignature(ids_input=ids.name, logits_output=outputs[0] if outputs else "", input_names=[s.name for s in specs],
-                          output_names=outputs)
+    sig = DecodeSignature(
+        ids_input=ids.name,
+        logits_output=outputs[0] if outputs else "",
+        input_names=[s.name for s in specs],
+        output_names=outputs,
+    )
     if caches:
         mapping: dict[str, str] = {}
         for s in caches:

@@ -61,26 +61,54 @@ def _pm(v: Any, e: Any, spec: str = ".4g", scale: float = 1.0, unit: str = "") -
 
 def format_summary(s: dict[str, Any]) -> list[tuple[str, str]]:
     """A context's figures as (label, value) rows, llama.cpp ``perplexity --kl-divergence`` style."""
-    rows = [("positions", f"{s['context']} prefilled" + (f" in chunks of {s['chunk']}" if s["chunk"] else " in one call")
-             + f", then {s['eval_tokens']} predictions (tokens {s['context']}..{s['context'] + s['eval_tokens'] - 1})")]
+    rows = [
+        (
+            "positions",
+            f"{s['context']} prefilled"
+            + (f" in chunks of {s['chunk']}" if s["chunk"] else " in one call")
+            + f", then {s['eval_tokens']} predictions (tokens {s['context']}..{s['context'] + s['eval_tokens'] - 1})",
+        )
+    ]
     if "kl_mean" in s:
-        rows += [("Mean PPL(Q)", _pm(s["ppl"], s["ppl_stderr"])), ("Mean PPL(base)", _pm(s["ppl_reference"], s["ppl_reference_stderr"])),
-                 ("Mean ln(PPL(Q)/PPL(base))", _pm(s["ln_ppl_ratio"], s["ln_ppl_ratio_stderr"])),
-                 ("Mean PPL(Q)/PPL(base)", _g(s["ppl_ratio"])),
-                 ("Mean KLD", _pm(s["kl_mean"], s["kl_mean_stderr"])), ("Maximum KLD", _g(s["kl_max"])),
-                 ("99.9% KLD", _g(s["kl_p99_9"])), ("99.0% KLD", _g(s["kl_p99"])), ("90.0% KLD", _g(s["kl_p90"])),
-                 ("Median KLD", _g(s["kl_median"])), ("Minimum KLD", _g(s["kl_min"])),
-                 ("RMS Δp", _g(s["rms_dp"] * 100, ".3f") + " %"),
-                 ("Same top p", _pm(s["top1_agreement"], s["top1_agreement_stderr"], ".3f", 100, " %"))]
+        rows += [
+            ("Mean PPL(Q)", _pm(s["ppl"], s["ppl_stderr"])),
+            ("Mean PPL(base)", _pm(s["ppl_reference"], s["ppl_reference_stderr"])),
+            ("Mean ln(PPL(Q)/PPL(base))", _pm(s["ln_ppl_ratio"], s["ln_ppl_ratio_stderr"])),
+            ("Mean PPL(Q)/PPL(base)", _g(s["ppl_ratio"])),
+            ("Mean KLD", _pm(s["kl_mean"], s["kl_mean_stderr"])),
+            ("Maximum KLD", _g(s["kl_max"])),
+            ("99.9% KLD", _g(s["kl_p99_9"])),
+            ("99.0% KLD", _g(s["kl_p99"])),
+            ("90.0% KLD", _g(s["kl_p90"])),
+            ("Median KLD", _g(s["kl_median"])),
+            ("Minimum KLD", _g(s["kl_min"])),
+            ("RMS Δp", _g(s["rms_dp"] * 100, ".3f") + " %"),
+            ("Same top p", _pm(s["top1_agreement"], s["top1_agreement_stderr"], ".3f", 100, " %")),
+        ]
         att = s.get("attention_deviation")
         rows.append(("attention deviation (mean / worst)", "-" if not att else f"{att['mean']:.4g} / {att['max']:.4g}"))
     else:
         rows.append(("Mean PPL(Q)", _pm(s["ppl"], s["ppl_stderr"]) + " (no reference: no KL)"))
-    rows += [("tokens held quantized / full precision (per KV op)", f"{s['quantized_tokens']} / {s['full_precision_tokens']}"),
-             ("evaluated tokens reading quantized entries", f"{s['tokens_reading_quantized']} of {s['eval_tokens']}"
-              + ("" if s["first_quantized_read"] is None else f" (from position {s['context'] + s['first_quantized_read']})")),
-             ("KV bytes held / used / as f32", f"{s['kv_bytes']:,} / {s['kv_bytes_used']:,} / {s['kv_bytes_f32']:,}"
-              + ("" if s["kv_ratio"] is None else f" (held / f32 {s['kv_ratio']:.3f})"))]
+    rows += [
+        (
+            "tokens held quantized / full precision (per KV op)",
+            f"{s['quantized_tokens']} / {s['full_precision_tokens']}",
+        ),
+        (
+            "evaluated tokens reading quantized entries",
+            f"{s['tokens_reading_quantized']} of {s['eval_tokens']}"
+            + (
+                ""
+                if s["first_quantized_read"] is None
+                else f" (from position {s['context'] + s['first_quantized_read']})"
+            ),
+        ),
+        (
+            "KV bytes held / used / as f32",
+            f"{s['kv_bytes']:,} / {s['kv_bytes_used']:,} / {s['kv_bytes_f32']:,}"
+            + ("" if s["kv_ratio"] is None else f" (held / f32 {s['kv_ratio']:.3f})"),
+        ),
+    ]
     return rows
 
 
@@ -100,13 +128,24 @@ def render_markdown(rep: ValidationReport) -> str:
         lines += [f"| {a} | {b} |" for a, b in format_summary(s)]
         att = s.get("attention_deviation")
         if att:
-            lines += ["", f"Attention deviation: {res.attention_note}.", "", "| layer | mean | worst |", "|---|---|---|"]
-            lines += [f"| {i} | {m:.4g} | {w:.4g} |" for i, (m, w) in enumerate(zip(att["per_layer_mean"], att["per_layer_max"]))]
+            lines += [
+                "",
+                f"Attention deviation: {res.attention_note}.",
+                "",
+                "| layer | mean | worst |",
+                "|---|---|---|",
+            ]
+            lines += [
+                f"| {i} | {m:.4g} | {w:.4g} |"
+                for i, (m, w) in enumerate(zip(att["per_layer_mean"], att["per_layer_max"]))
+            ]
         lines += ["", "| KV op | node | tokens | quantized | full precision | bytes held | bytes used | as f32 |",
                   "|---|---|---|---|---|---|---|---|"]
         for c in res.archive.census:
-            lines.append(f"| {c['op']} | `{c['node']}` | {c['tokens']} | {c['quantized_tokens']} | {c['full_precision_tokens']} "
-                         f"| {c['bytes']:,} | {c['bytes_used']:,} | {c['bytes_f32']:,} |")
+            lines.append(
+                f"| {c['op']} | `{c['node']}` | {c['tokens']} | {c['quantized_tokens']} | {c['full_precision_tokens']} "
+                f"| {c['bytes']:,} | {c['bytes_used']:,} | {c['bytes_f32']:,} |"
+            )
     p = rep.parity
     lines += ["", "## tract parity", ""]
     if p is None:
@@ -155,7 +194,9 @@ def render_plot(rep: ValidationReport) -> bytes:
                 ax_kl.semilogy(pos[miss], np.maximum(kl[miss], KL_FLOOR), "x", ms=6, color="tab:red",
                                label=f"top-1 differs ({int(miss.sum())} of {len(miss)})")
             if "max_kl" in thr:
-                ax_kl.axhline(max(thr["max_kl"], KL_FLOOR), color="k", ls=":", lw=1, label=f"--max-kl {thr['max_kl']:g}")
+                ax_kl.axhline(
+                    max(thr["max_kl"], KL_FLOOR), color="k", ls=":", lw=1, label=f"--max-kl {thr['max_kl']:g}"
+                )
             ax_kl.set_ylabel("KL (nats)")
         else:
             ax_kl.plot(pos, nll_rows(res), ".-", lw=0.8, ms=3, label="NLL of the true token")

@@ -216,9 +216,16 @@ class ContextResult:
             "rms_dp": float(np.sqrt(np.mean(tm["dp"] ** 2))),
         })
         dev = self.attention_deviation()
-        out["attention_deviation"] = None if dev is None else {
-            "per_layer_mean": [float(x) for x in dev.mean(axis=0)], "per_layer_max": [float(x) for x in dev.max(axis=0)],
-            "mean": float(dev.mean()), "max": float(dev.max())}
+        out["attention_deviation"] = (
+            None
+            if dev is None
+            else {
+                "per_layer_mean": [float(x) for x in dev.mean(axis=0)],
+                "per_layer_max": [float(x) for x in dev.max(axis=0)],
+                "mean": float(dev.mean()),
+                "max": float(dev.max()),
+            }
+        )
         out["attention_deviation_max"] = None if dev is None else float(dev.max())
         return out
 

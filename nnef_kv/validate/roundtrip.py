@@ -35,8 +35,12 @@ def _same_tensor(a: Any, b: Any) -> bool:
         if a.dtype != b.dtype or a.shape != b.shape:
             return False
         if a.dtype.kind in "fc":
-            return bool(np.array_equal(np.ascontiguousarray(a).reshape(-1).view(np.uint8),
-                                   np.ascontiguousarray(b).reshape(-1).view(np.uint8)))  # bit-exact, NaN payloads included
+            return bool(
+                np.array_equal(
+                    np.ascontiguousarray(a).reshape(-1).view(np.uint8),
+                    np.ascontiguousarray(b).reshape(-1).view(np.uint8),
+                )
+            )  # bit-exact, NaN payloads included
         return bool(np.array_equal(a, b))
     return type(a) is type(b) and a == b
 

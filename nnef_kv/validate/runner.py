@@ -99,7 +99,11 @@ def _tensor_digest(x: Any) -> tuple:
         return ("array", str(a.dtype), tuple(a.shape), hashlib.sha256(a.view(np.uint8).reshape(-1)).hexdigest())
     blocks = getattr(x, "blocks", None)
     if blocks is not None:  # block-quantized weights
-        return ("blocks", tuple(getattr(x, "shape", ())), hashlib.sha256(np.ascontiguousarray(blocks).tobytes()).hexdigest())
+        return (
+            "blocks",
+            tuple(getattr(x, "shape", ())),
+            hashlib.sha256(np.ascontiguousarray(blocks).tobytes()).hexdigest(),
+        )
     return ("other", repr(x)[:200])
 
 
@@ -182,10 +186,17 @@ def _measure(dec: Any, ids: Sequence[int], ctx: int, n: int, chunk: int | None,
     logits = np.concatenate([lg0[None], lg]) if len(rest) else lg0[None]
     attention = [np.concatenate([a0, a], axis=2) for a0, a in zip(att0, att)] if att0 else []
     census = dec.census()
-    return Measurement(logits=logits, attention=attention, reads=reads.astype(np.int64), census=census,
-                       kv_bytes=int(sum(c["bytes"] for c in census)), kv_bytes_f32=int(sum(c["bytes_f32"] for c in census)),
-                       kv_bytes_used=int(sum(c["bytes_used"] for c in census)),
-                       seconds=seconds, logits_dtype=str(getattr(dec, "logits_dtype", "float32")))
+    return Measurement(
+        logits=logits,
+        attention=attention,
+        reads=reads.astype(np.int64),
+        census=census,
+        kv_bytes=int(sum(c["bytes"] for c in census)),
+        kv_bytes_f32=int(sum(c["bytes_f32"] for c in census)),
+        kv_bytes_used=int(sum(c["bytes_used"] for c in census)),
+        seconds=seconds,
+        logits_dtype=str(getattr(dec, "logits_dtype", "float32")),
+    )
 
 
 def _kv_op_settings(dec: InterpreterDecoder) -> list[dict[str, Any]]:
@@ -271,13 +282,20 @@ def validate_model(model: Any, reference: Any | None = None, source: Any = None,
     if source is None:
         raise InputError("validate: no tokens given (text, prompt or ids)")
     label = str(path or getattr(model, "source", None) or "<in memory>")
-    rep = ValidationReport(archive=label, options=o, tokens=source.description, n_tokens=len(source.ids),
-                           reference=None if reference is None else str(getattr(reference, "source", None) or "<in memory>"))
+    rep = ValidationReport(
+        archive=label,
+        options=o,
+        tokens=source.description,
+        n_tokens=len(source.ids),
+        reference=None if reference is None else str(getattr(reference, "source", None) or "<in memory>"),
+    )
     rep.notes += list(source.notes)
     dec = _decoder(model, capture=reference is not None, what=label)
     ref_dec = None
     if reference is not None:
-        ref_dec = _decoder(reference, capture=True, what=f"{(names or {}).get('reference', 'reference')} {rep.reference}")
+        ref_dec = _decoder(
+            reference, capture=True, what=f"{(names or {}).get('reference', 'reference')} {rep.reference}"
+        )
         held = ref_dec.quantized_ops()
         if held:
             raise InputError(f"{(names or {}).get('reference', 'reference')} {rep.reference}: the reference holds a "
