@@ -8,8 +8,8 @@ A block-quantized ``variable`` is a :class:`~nnef_kv.io.blockquant.BlockQuantTen
   folded on constants sees the dequantized values, as it always did;
 * **rewrites** ``linear(x, W, b)`` and ``matmul(x, W, transposeB = true)`` by such a weight into
   :func:`nnef_kv.kernels.blockquant.matmul` on the weight repacked once (exact: same codes, same scales;
-  numba cores, or the NumPy reference ``x @ dequantize(W).T`` when numba is absent or forced off with
-  ``NNEF_KV_NO_NUMBA=1``); products of one input by several such weights (q/k/v, gate/up) become one
+  numba cores; when numba is absent or forced off with ``NNEF_KV_NO_NUMBA=1`` the weight is dequantized
+  once instead, as below: the reference ``x @ dequantize(W).T`` would dequantize it at every call); products of one input by several such weights (q/k/v, gate/up) become one
   product by the repacked weights side by side (the numba cores compute every output column on its own:
   the same bits as separate products);
 * **materialises** what is left: a step still reading a block weight (a gather from a Q4 embedding, a
@@ -82,7 +82,14 @@ def _leading_units(t: BlockQuantTensor) -> bool:
 
 
 def rewrite_block_product(node: Node, base: list[Any], consts: set[int]) -> tuple[Callable, list[Any], dict] | None:
-    """``linear`` / ``matmul(transposeB)`` by a constant block weight -> a :class:`BlockLinear` step."""
+    """``linear`` / ``matmul(transposeB)`` by a constant block weight -> a :class:`BlockLinear` step. Not
+    without the numba kernels: their NumPy reference dequantizes the weight at every call (0.14x tract's
+    decode on the Q4_0 benchmark decoder); the weight is then dequantized once (:func:`materialize`, the
+    reference's bits at 0.4x tract's speed, the f32 weights' memory)."""
+    from ...kernels import numba_available
+
+    if not numba_available():
+        return None
     if len(node.inputs) < 2 or not isinstance(node.inputs[1], int) or node.inputs[1] not in consts:
         return None
     t = base[node.inputs[1]]

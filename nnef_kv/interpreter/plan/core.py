@@ -284,7 +284,8 @@ def weights(d: Draft) -> None:
         rw = B.rewrite_block_product(item.node, d.base, d.consts)
         if rw is not None:  # the step reads the product's operands only: the block weight is in the kernel
             item.node = dataclasses.replace(item.node, inputs=list(rw[1]), attrs={})
-        else:
+        else:  # a block weight this product does not take (or no numba kernels): its f32 values, once
+            d.info["dequantized_weights"] = d.info.get("dequantized_weights", 0) + B.materialize([item.node], d.base)
             rw = W.rewrite_weights(item.node, d.base, d.consts)
         if rw is not None:
             item.kernel, item.ins, item.attrs = rw
@@ -363,6 +364,7 @@ def cache_append(d: Draft) -> None:
 
 def liveness(d: Draft) -> None:
     n = B.materialize(d.step_nodes, d.base)  # block weights no product took: dequantized, as before
+    n += d.info.pop("dequantized_weights", 0)
     if n:
         d.info["dequantized_weights"] = n
     d.frees = L.liveness(d.graph, d.step_nodes, d.base)
