@@ -12,6 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, wide_vectors, widen
+from ..kv.common import softmax_numerators
 from .kivi_attention import _check_codec, cache_arrays, unsupported_reason
 from .kivi_attention import attend as _attend_kernel
 
@@ -664,14 +665,7 @@ def _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv,
             return out
         nth = 1  # a row whose max is not finite: the reference's rule looks at every head at once
     _run(_scores_heads, _scores_prange, n, nth, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
-    # ---- the softmax, as KiviSdpa._attend_two_pass does it
-    if is_causal and sq > 1:  # a single query is the last position: it sees everything
-        qpos = (total - sq) + (np.arange(m) % sq)
-        s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
-    mx = s.max(axis=-1, keepdims=True)
-    if not mx.min() > -np.inf:  # rows with every position masked
-        mx = np.where(np.isfinite(mx), mx, np.float32(0))
-    p = np.exp(np.subtract(s, mx, out=s), out=s)
+    p = softmax_numerators(s, sq, is_causal)  # the softmax, as KiviSdpa's NumPy path does it
     ls = p.sum(axis=-1)
     out = np.empty((n, m, d), np.float32)
     _run(_outputs_heads, _outputs_prange, n, nth, p, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)

@@ -53,6 +53,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..kv.common import softmax_numerators
 from ..kv.packing import GroupCodec
 from . import kernel
 
@@ -143,13 +144,7 @@ def two_pass(ks: Callable[..., np.ndarray], vs: Callable[..., np.ndarray], q: np
         ks(q, k_codes, k_min, k_step, bits, key_group, out=s[:, :, ns:ns + tq], threads=threads)
     if nr:
         np.matmul(q, _f32(res_k).swapaxes(-1, -2), out=s[:, :, ns + tq:])
-    if is_causal and sq > 1:  # a single query is the last position: it sees everything
-        qpos = (total - sq) + (np.arange(m) % sq)
-        s[:, ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
-    mx = s.max(axis=-1, keepdims=True)
-    if not mx.min() > -np.inf:  # rows with every position masked
-        mx = np.where(np.isfinite(mx), mx, np.float32(0))
-    p = np.exp(np.subtract(s, mx, out=s), out=s)
+    p = softmax_numerators(s, sq, is_causal)
     ls = p.sum(axis=-1, keepdims=True)
     if tq:
         out = vs(p[:, :, ns:ns + tq], v_codes, v_min, v_step, bits, key_group, value_group, threads=threads)

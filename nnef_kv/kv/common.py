@@ -230,6 +230,53 @@ def check_qkv(who: str, q: np.ndarray, k: np.ndarray, v: np.ndarray) -> tuple[in
     return b, hq, sq, hkv, snew, d
 
 
+def expect_config_and_shape(tensors: dict[str, np.ndarray], who: str, config: np.ndarray, fields: str
+                            ) -> np.ndarray:
+    """A saved state's ``config`` (equal to this node's ``config``, else a StateError naming ``fields``, what
+    its entries are) and its ``shape`` (5 int64: B, Hkv, D, tokens, f16 flag), which is returned."""
+    cfg = expect_state(tensors, "config", None, np.int64, who)
+    if not np.array_equal(cfg, config):
+        raise StateError(f"{who}: saved state was made with config {cfg.tolist()} ({fields}), this node has "
+                         f"{config.tolist()}")
+    return expect_state(tensors, "shape", (5,), np.int64, who)
+
+
+def start_call(state: Any, q: Any, k: Any, v: Any, check: Any = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray, tuple[int, int, int, int, int, int], np.dtype]:
+    """What every quantized-cache op does first on a call: ``q, k, v`` as arrays checked by :func:`check_qkv`
+    (then ``check(dims, q, k, v)``, the op's own checks), the output dtype (f16 or f32 as ``q``, else f32),
+    the state initialised on its first call (``state._init(B, Hkv, D, fp)``, fp = f16 when k and v both are,
+    else f32) or checked against the cache it holds. Returns ``(q, k, v, dims, out dtype)``."""
+    q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
+    dims = check_qkv(state.WHO, q, k, v)
+    if check is not None:
+        check(dims, q, k, v)
+    b, _, _, hkv, _, d = dims
+    out_dtype = q.dtype if q.dtype in (np.float16, np.float32) else np.dtype(np.float32)
+    fp = np.dtype(np.float16) if k.dtype == np.float16 and v.dtype == np.float16 else np.dtype(np.float32)
+    if not state._ready:
+        state._init(b, hkv, d, fp)
+    elif (b, hkv, d) != (state.b, state.hkv, state.d):
+        raise InputError(f"{state.WHO}: k {k.shape} does not match the cache built for "
+                         f"B={state.b}, Hkv={state.hkv}, D={state.d}")
+    return q, k, v, dims, out_dtype
+
+
+def softmax_numerators(s: np.ndarray, sq: int, is_causal: bool) -> np.ndarray:
+    """In place on the scores ``s [n, M, T]`` of a call whose ``sq`` queries are the last positions (row ``r``
+    is query ``r % sq``): the causal mask (a single query sees everything), each row's max subtracted (the
+    maxima replaced by 0 where not finite when some row's max is -inf or NaN: a row with every position
+    masked gives zeros, not NaN), then exp. Returns ``s``, now the softmax numerators."""
+    total, m = s.shape[-1], s.shape[-2]
+    if is_causal and sq > 1:
+        qpos = (total - sq) + (np.arange(m) % sq)
+        s[..., ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
+    mx = s.max(axis=-1, keepdims=True)
+    if not mx.min() > -np.inf:  # rows with every position masked
+        mx = np.where(np.isfinite(mx), mx, np.float32(0))
+    return np.exp(np.subtract(s, mx, out=s), out=s)
+
+
 def stepwise_loop(state: Any, q: np.ndarray, k: np.ndarray, v: np.ndarray, axis: int = 2) -> np.ndarray:
     """``state(q, k, v)`` token by token along ``axis`` (one query row per new token), outputs
     concatenated: a fused attention op's stepwise run when its multi-token semantics differ."""

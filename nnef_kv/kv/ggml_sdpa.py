@@ -64,7 +64,7 @@ import numpy as np
 
 from ..errors import GraphError, InputError, StateError
 from . import ggml
-from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state
+from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, start_call
 
 __all__ = ["CACHE_TYPES", "GGML_TYPE_IDS", "GgmlSdpa", "GgmlSdpaConfig"]
 
@@ -249,23 +249,18 @@ class GgmlSdpa(BufferCheckpoint):
                 self.reset()
             raise
 
-    def _prepare(self, q: np.ndarray, k: np.ndarray, v: np.ndarray):
-        """Checks and lazy init: ``(q [n, g, Sq, D] f32, k, v [n, S, D] window dtype, q shape, out dtype)``."""
-        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-        b, hq, sq, hkv, snew, d = check_qkv(self.WHO, q, k, v)
+    def _check_call(self, dims: tuple[int, ...], q: np.ndarray, k: np.ndarray, v: np.ndarray) -> None:
+        d = dims[-1]
         if d % ggml.QK:
             raise InputError(f"{self.WHO}: head_dim D = {d} is not a multiple of {ggml.QK} "
                              f"(ggml blocks hold {ggml.QK} values along head_dim)")
         for nm, t in (("q", q), ("k", k), ("v", v)):
             if t.dtype.kind not in "fiub":
                 raise InputError(f"{self.WHO}: {nm} has dtype {t.dtype}, expected a float tensor")
-        out_dtype = q.dtype if q.dtype in (np.float16, np.float32) else np.dtype(np.float32)
-        fp = np.dtype(np.float16) if k.dtype == np.float16 and v.dtype == np.float16 else np.dtype(np.float32)
-        if not self._ready:
-            self._init(b, hkv, d, fp)
-        elif (b, hkv, d) != (self.b, self.hkv, self.d):
-            raise InputError(f"{self.WHO}: k {k.shape} does not match the cache built for "
-                             f"B={self.b}, Hkv={self.hkv}, D={self.d}")
+
+    def _prepare(self, q: np.ndarray, k: np.ndarray, v: np.ndarray):
+        """Checks and lazy init: ``(q [n, g, Sq, D] f32, k, v [n, S, D] window dtype, q shape, out dtype)``."""
+        q, k, v, (b, hq, sq, hkv, snew, d), out_dtype = start_call(self, q, k, v, self._check_call)
         n, g = b * hkv, hq // hkv
         qn = q.astype(np.float32).reshape(n, g, sq, d)  # query head h = kv head * g + i
         with np.errstate(over="ignore"):
@@ -397,11 +392,8 @@ class GgmlSdpa(BufferCheckpoint):
 
     def load_state_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         who = self.WHO
-        cfg = expect_state(tensors, "config", None, np.int64, who)
-        if not np.array_equal(cfg, self.cfg.as_array()):
-            raise StateError(f"{who}: saved state was made with config {cfg.tolist()} (ggml type ids of "
-                             f"K and V, residual, state layout), this node has {self.cfg.as_array().tolist()}")
-        shape = expect_state(tensors, "shape", (5,), np.int64, who)
+        shape = expect_config_and_shape(tensors, who, self.cfg.as_array(),
+                                        "ggml type ids of K and V, residual, state layout")
         b, hkv, d, t, f16 = (int(x) for x in shape)
         if min(b, hkv, d, t) < 0 or f16 not in (0, 1) or (b == 0) != (hkv == 0 or d == 0) \
                 or (b == 0 and t) or d % ggml.QK:

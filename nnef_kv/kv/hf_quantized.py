@@ -128,7 +128,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
-from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state
+from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, start_call
 from .hf_quantizers import (QStore, hqq_dequantize, hqq_pack, hqq_packed_shape, hqq_quantize, hqq_rows, hqq_unpack,
                             quanto_dequantize, quanto_grouped_shape, quanto_param_axis, quanto_quantize)
 from .packing import pack_planar, unpack_planar
@@ -245,15 +245,7 @@ class HfQuantizedSdpa(BufferCheckpoint):
 
     # ------------------------------------------------------------------------- one call
     def _prepare(self, q, k, v):
-        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-        b, _, _, hkv, _, d = check_qkv(self.WHO, q, k, v)
-        out_dtype = q.dtype if q.dtype in (np.float16, np.float32) else np.dtype(np.float32)
-        fp = np.dtype(np.float16) if k.dtype == np.float16 and v.dtype == np.float16 else np.dtype(np.float32)
-        if not self._ready:
-            self._init(b, hkv, d, fp)
-        elif (b, hkv, d) != (self.b, self.hkv, self.d):
-            raise InputError(f"{self.WHO}: k {k.shape} does not match the cache built for "
-                             f"B={self.b}, Hkv={self.hkv}, D={self.d}")
+        q, k, v, _, out_dtype = start_call(self, q, k, v)
         return q, k.astype(self.fp_dtype), v.astype(self.fp_dtype), out_dtype
 
     def _update(self, ks: np.ndarray, vs: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
@@ -446,11 +438,8 @@ class HfQuantizedSdpa(BufferCheckpoint):
 
     def load_state_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         who = self.WHO
-        cfg = expect_state(tensors, "config", None, np.int64, who)
-        if not np.array_equal(cfg, self.cfg.as_array()):
-            raise StateError(f"{who}: saved state was made with config {cfg.tolist()} (bits, group_size, residual, "
-                             f"axis_key, axis_value, backend, layout), this node has {self.cfg.as_array().tolist()}")
-        shape = expect_state(tensors, "shape", (5,), np.int64, who)
+        shape = expect_config_and_shape(tensors, who, self.cfg.as_array(),
+                                        "bits, group_size, residual, axis_key, axis_value, backend, layout")
         b, hkv, d, t, f16 = (int(x) for x in shape)
         empty = b == hkv == d == t == f16 == 0
         if not empty and (min(b, hkv, d, t) < 1 or f16 not in (0, 1)):

@@ -48,7 +48,7 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
-from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state
+from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, start_call
 from .kivi_attend import KiviAttention
 from .kivi_config import CODES_LAYOUT, KIVI_SETTINGS, KiviConfig, hadamard, kivi_problem
 from .kivi_parts import Outliers, View, rotate
@@ -300,15 +300,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
     def _prepare(self, q: np.ndarray, k: np.ndarray, v: np.ndarray):
         """Checks, lazy init, rotation: ``(qn [n, g*Sq, D] f32, ks, vs [n, S, D] storage dtype, shape,
         out dtype, rotate values back?)``."""
-        q, k, v = np.asarray(q), np.asarray(k), np.asarray(v)
-        b, hq, sq, hkv, snew, d = check_qkv(self.WHO, q, k, v)
-        out_dtype = q.dtype if q.dtype in (np.float16, np.float32) else np.dtype(np.float32)
-        fp = np.dtype(np.float16) if k.dtype == np.float16 and v.dtype == np.float16 else np.dtype(np.float32)
-        if not self._ready:
-            self._init(b, hkv, d, fp)
-        elif (b, hkv, d) != (self.b, self.hkv, self.d):
-            raise InputError(f"{self.WHO}: k {k.shape} does not match the cache built for "
-                             f"B={self.b}, Hkv={self.hkv}, D={self.d}")
+        q, k, v, (b, hq, sq, hkv, snew, d), out_dtype = start_call(self, q, k, v)
         n = b * hkv
         # no copies where the dtype is already right: ks, vs are only ever copied into the cache, qn only read
         k32 = k.astype(np.float32, copy=False).reshape(n, snew, d)
@@ -406,13 +398,8 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
 
     def load_state_tensors(self, tensors: dict[str, np.ndarray]) -> None:
         who = self.WHO
-        cfg = expect_state(tensors, "config", None, np.int64, who)
-        if not np.array_equal(cfg, self.cfg.as_array()):
-            raise StateError(f"{who}: saved state was made with config {cfg.tolist()} "
-                             f"(bits, key_group, value_group, residual, sinks, rotate, clip, f16 params, "
-                             f"codes layout), "
-                             f"this node has {self.cfg.as_array().tolist()}")
-        shape = expect_state(tensors, "shape", (5,), np.int64, who)
+        shape = expect_config_and_shape(tensors, who, self.cfg.as_array(), "bits, key_group, value_group, residual, "
+                                        "sinks, rotate, clip, f16 params, codes layout")
         b, hkv, d, t, f16 = (int(x) for x in shape)
         if min(b, hkv, d, t) < 0 or f16 not in (0, 1):
             raise StateError(f"{who}: invalid state shape {shape.tolist()}")

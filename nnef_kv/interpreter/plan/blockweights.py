@@ -9,9 +9,10 @@ A block-quantized ``variable`` is a :class:`~nnef_kv.io.blockquant.BlockQuantTen
 * **rewrites** ``linear(x, W, b)`` and ``matmul(x, W, transposeB = true)`` by such a weight into
   :func:`nnef_kv.kernels.blockquant.matmul` on the weight repacked once (exact: same codes, same scales;
   numba cores; when numba is absent or forced off with ``NNEF_KV_NO_NUMBA=1`` the weight is dequantized
-  once instead, as below: the reference ``x @ dequantize(W).T`` would dequantize it at every call); products of one input by several such weights (q/k/v, gate/up) become one
-  product by the repacked weights side by side (the numba cores compute every output column on its own:
-  the same bits as separate products);
+  once instead, as below: the reference ``x @ dequantize(W).T`` would dequantize it at every call);
+  products of one input by several such weights (q/k/v, gate/up) become one product by the repacked
+  weights side by side (the numba cores compute every output column on its own: the same bits as
+  separate products);
 * **materialises** what is left: a step still reading a block weight (a gather from a Q4 embedding, a
   product the rewrite does not cover) gets the dequantized f32 array, as before this module existed.
 
