@@ -4,14 +4,13 @@
 each point labelled), each file written atomically."""
 from __future__ import annotations
 
-import io
 import json
 from pathlib import Path
 from typing import Any
 
 from ..atomic import atomic_write
 from .compare import CompareReport, SchemeRow, finite, pareto_front
-from .report import _json_safe
+from .report import _json_safe, png_bytes
 
 __all__ = ["render_table", "render_markdown", "render_json", "render_plot", "write_compare_report", "COMPARE_FILES"]
 
@@ -125,11 +124,7 @@ def render_plot(rep: CompareReport) -> bytes:
         else:
             ax.text(0.5, 0.5, "no scheme measured", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(f"nnef-kv compare: {Path(rep.archive).name}", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=100)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig, dpi=100)
 
 
 def _label(fig: Any, ax: Any, pts: list[tuple[float, float]], names: list[str], front: list[bool]) -> None:

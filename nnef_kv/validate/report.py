@@ -24,6 +24,17 @@ REPORT_FILES = ("report.json", "report.md", "report.png")
 KL_FLOOR = 1e-12  # KL values below this are drawn at it (log axis), with their own marker
 
 
+def png_bytes(fig: Any, dpi: int) -> bytes:
+    """A matplotlib figure laid out (``tight_layout``), encoded as PNG and closed."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi)
+    plt.close(fig)
+    return buf.getvalue()
+
+
 def _json_safe(x: Any) -> Any:
     if isinstance(x, float):
         return x if math.isfinite(x) else str(x)  # JSON has no NaN/inf: write them as strings
@@ -231,11 +242,7 @@ def render_plot(rep: ValidationReport) -> bytes:
             ax.axis("off")
         axes[0][0].text(0.5, 0.5, "nothing measured", ha="center", va="center")
     fig.suptitle(f"{Path(rep.archive).name} - {rep.scheme} - verdict {rep.verdict.upper()}", fontsize=10)
-    fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=90)
-    plt.close(fig)
-    return buf.getvalue()
+    return png_bytes(fig, dpi=90)
 
 
 def nll_rows(res: Any) -> np.ndarray:

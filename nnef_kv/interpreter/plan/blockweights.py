@@ -30,6 +30,7 @@ import numpy as np
 from ...io.blockquant import BLOCK_LEN, BlockQuantTensor
 from ..graph import Node, slots_of
 from ..values import Lazy
+from .steps import replace_steps
 
 __all__ = ["is_block", "fold_block", "rewrite_block_product", "fuse_block_projections", "materialize",
            "BlockLinear"]
@@ -168,15 +169,7 @@ def fuse_block_projections(steps: list[Any], nodes: list[Node], kernels: dict[in
         drop.update(members[1:])
     if not replace:
         return steps, nodes, 0
-    out_s, out_n = [], []
-    for i, (st, nd) in enumerate(zip(steps, nodes)):
-        if i in drop:
-            continue
-        if i in replace:
-            st, nd = replace[i]
-        out_s.append(st)
-        out_n.append(nd)
-    return out_s, out_n, len(drop)
+    return replace_steps(steps, nodes, replace, drop)
 
 
 def materialize(nodes: list[Node], base: list[Any]) -> int:

@@ -10,7 +10,22 @@ from ..values import Lazy
 
 Step = Callable[[list, list], None]
 
-__all__ = ["Step", "make_step", "fetch", "store", "static_attrs", "symbolic_attrs", "has_lazy"]
+__all__ = ["Step", "make_step", "fetch", "store", "static_attrs", "symbolic_attrs", "has_lazy", "replace_steps"]
+
+
+def replace_steps(steps: list[Any], nodes: list[Node], replace: dict[int, tuple[Any, Node]], drop: set[int]
+                  ) -> tuple[list[Any], list[Node], int]:
+    """``steps`` / ``nodes`` with step ``i`` replaced by ``replace[i]`` (a (step, node) pair) and the steps in
+    ``drop`` left out (a fusion's other members); returns them and how many were dropped."""
+    out_s, out_n = [], []
+    for i, (st, nd) in enumerate(zip(steps, nodes)):
+        if i in drop:
+            continue
+        if i in replace:
+            st, nd = replace[i]
+        out_s.append(st)
+        out_n.append(nd)
+    return out_s, out_n, len(drop)
 
 
 def has_lazy(attrs: dict[str, Any]) -> bool:

@@ -9,7 +9,7 @@ import numpy as np
 
 from ..graph import Node
 from .parallel import split_matmul
-from .steps import Step, has_lazy as _has_lazy
+from .steps import Step, has_lazy as _has_lazy, replace_steps
 
 __all__ = ["rewrite_weights", "fuse_projections"]
 
@@ -105,13 +105,4 @@ def fuse_projections(steps: list[Step], step_nodes: list[Node],
             base[m[4]] = None
     if not replace:
         return steps, step_nodes, 0
-    new_steps: list[Step] = []
-    new_nodes: list[Node] = []
-    for i, (st, nd) in enumerate(zip(steps, step_nodes)):
-        if i in drop:
-            continue
-        if i in replace:
-            st, nd = replace[i]
-        new_steps.append(st)
-        new_nodes.append(nd)
-    return new_steps, new_nodes, len(drop)
+    return replace_steps(steps, step_nodes, replace, drop)
