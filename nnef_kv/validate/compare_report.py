@@ -8,9 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from ..atomic import atomic_write
 from .compare import CompareReport, SchemeRow, finite, pareto_front
-from .report import _json_safe, png_bytes
+from .report import _json_safe, png_bytes, write_files
 
 __all__ = ["render_table", "render_markdown", "render_json", "render_plot", "write_compare_report", "COMPARE_FILES"]
 
@@ -162,9 +161,4 @@ def write_compare_report(rep: CompareReport, out_dir: str | Path) -> list[Path]:
     out.mkdir(parents=True, exist_ok=True)
     payloads = {"report.json": render_json(rep).encode(), "report.md": render_markdown(rep).encode(),
                 "report.png": render_plot(rep)}  # everything rendered before anything is written
-    paths = []
-    for name, data in payloads.items():
-        with atomic_write(out / name) as f:
-            f.write(data)
-        paths.append(out / name)
-    return paths
+    return write_files(out, payloads)

@@ -35,6 +35,16 @@ def png_bytes(fig: Any, dpi: int) -> bytes:
     return buf.getvalue()
 
 
+def write_files(out: Path, payloads: dict[str, bytes]) -> list[Path]:
+    """Each payload written to ``out / name`` atomically (rendered before: nothing half-written); the paths."""
+    paths = []
+    for name, data in payloads.items():
+        with atomic_write(out / name) as f:
+            f.write(data)
+        paths.append(out / name)
+    return paths
+
+
 def _json_safe(x: Any) -> Any:
     if isinstance(x, float):
         return x if math.isfinite(x) else str(x)  # JSON has no NaN/inf: write them as strings
@@ -260,10 +270,5 @@ def write_report(rep: ValidationReport, out_dir: str | Path) -> list[Path]:
         "report.md": render_markdown(rep).encode(),
         "report.png": render_plot(rep),
     }
-    paths = []
-    for name, data in payloads.items():
-        with atomic_write(out / name) as f:
-            f.write(data)
-        paths.append(out / name)
-    return paths
+    return write_files(out, payloads)
 

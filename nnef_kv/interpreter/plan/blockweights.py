@@ -31,6 +31,7 @@ from ...io.blockquant import BLOCK_LEN, BlockQuantTensor
 from ..graph import Node, slots_of
 from ..values import Lazy
 from .steps import replace_steps
+from .weights import add_bias
 
 __all__ = ["is_block", "fold_block", "rewrite_block_product", "fuse_block_projections", "materialize",
            "BlockLinear"]
@@ -69,14 +70,7 @@ class BlockLinear:
 
         if type(x) is not np.ndarray or x.dtype != np.float32 or not x.ndim or x.shape[-1] != self.packed.k:
             return self.fallback(x, bias)
-        y = bq.matmul(self.packed, x)
-        if bias is not None:
-            if bias.ndim == 0 or bias.size == 1:
-                if bias.reshape(()).item() != 0:
-                    y = y + bias.reshape(()).astype(y.dtype)
-            else:
-                y = y + bias.astype(y.dtype, copy=False)
-        return y
+        return add_bias(bq.matmul(self.packed, x), bias)
 
 
 def _leading_units(t: BlockQuantTensor) -> bool:

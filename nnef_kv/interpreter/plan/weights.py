@@ -24,8 +24,8 @@ def _matmul_pretransposed(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
     return np.matmul(a, bt)
 
 
-def _linear_pretransposed(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
-    y = _matmul_pretransposed(x, wt)
+def add_bias(y: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    """``y + bias`` as ``linear`` adds it (in y's dtype; a single zero bias adds nothing)."""
     if bias is not None:
         if bias.ndim == 0 or bias.size == 1:
             if bias.reshape(()).item() != 0:
@@ -33,6 +33,10 @@ def _linear_pretransposed(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None
         else:
             y = y + bias.astype(y.dtype, copy=False)
     return y
+
+
+def _linear_pretransposed(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None) -> np.ndarray:
+    return add_bias(_matmul_pretransposed(x, wt), bias)
 
 
 def _prepare_weight(w: np.ndarray) -> np.ndarray:
