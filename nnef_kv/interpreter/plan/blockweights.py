@@ -81,7 +81,7 @@ def rewrite_block_product(node: Node, base: list[Any], consts: set[int]) -> tupl
     """``linear`` / ``matmul(transposeB)`` by a constant block weight -> a :class:`BlockLinear` step. Not
     without the numba kernels: their NumPy reference dequantizes the weight at every call (0.14x tract's
     decode on the Q4_0 benchmark decoder); the weight is then dequantized once (:func:`materialize`, the
-    reference's bits at 0.4x tract's speed, the f32 weights' memory)."""
+    reference's bits at 0.78x tract's speed there, the f32 weights' memory)."""
     from ...kernels import numba_available
 
     if not numba_available():
