@@ -216,33 +216,38 @@ def _steps(args: Any, src: Path, npz: Any, npz_path: Path, session: Any, keys: K
     try:
         with target as f:
             writer = writer_cls(f) if f is not None else None
-            for k in range(steps):
-                feed: dict[str, Any] = {}
-                for name in inputs:
-                    key = keys.per.get(k, {}).get(name)
-                    if key is not None:
-                        feed[name] = value(key, False)
-                    elif name in keys.common:
-                        feed[name] = value(keys.common[name], True)
-                    else:
-                        feed[name] = prev[feedback[name]] if k > 0 else empty[name]
-                feed = float_casts(feed, session, casted, args.allow_float_casts, npz_path)
-                try:
-                    res = session.run(feed)
-                except NnefKvError as exc:
-                    raise CliError(f"step {k}: {exc}") from exc
-                expected = {**keys.exp_common, **keys.exp_per.get(k, {})}
-                for name, arr in res.items():
-                    a = np.asarray(arr)
-                    line = f"step {k} {name}: {_stats(a)}"
-                    if name in expected:
-                        line += _compare(a, value(expected[name], name in keys.exp_common))
-                    print(line)
-                    if writer is not None:
-                        writer.add(name if steps == 1 else f"{name}@{k}", a)
-                        written += 1
-                sys.stdout.flush()
-                prev = {o: res[o] for o in feedback.values()}
+            try:
+                for k in range(steps):
+                    feed: dict[str, Any] = {}
+                    for name in inputs:
+                        key = keys.per.get(k, {}).get(name)
+                        if key is not None:
+                            feed[name] = value(key, False)
+                        elif name in keys.common:
+                            feed[name] = value(keys.common[name], True)
+                        else:
+                            feed[name] = prev[feedback[name]] if k > 0 else empty[name]
+                    feed = float_casts(feed, session, casted, args.allow_float_casts, npz_path)
+                    try:
+                        res = session.run(feed)
+                    except NnefKvError as exc:
+                        raise CliError(f"step {k}: {exc}") from exc
+                    expected = {**keys.exp_common, **keys.exp_per.get(k, {})}
+                    for name, arr in res.items():
+                        a = np.asarray(arr)
+                        line = f"step {k} {name}: {_stats(a)}"
+                        if name in expected:
+                            line += _compare(a, value(expected[name], name in keys.exp_common))
+                        print(line)
+                        if writer is not None:
+                            writer.add(name if steps == 1 else f"{name}@{k}", a)
+                            written += 1
+                    sys.stdout.flush()
+                    prev = {o: res[o] for o in feedback.values()}
+            except BaseException:  # the temporary is dropped: its zip must not finalise later
+                if writer is not None:
+                    writer.discard()
+                raise
             if writer is not None:
                 writer.close()
     except KeyboardInterrupt:

@@ -492,6 +492,7 @@ def test_temporaries_of_a_killed_writer_are_swept_by_the_next_write(world, tmp_p
 
 
 # ------------------------------------------------------------------------------------------------ items 13, 14
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # a half-written zip left to finalise
 def test_run_streams_each_step_and_ctrl_c_writes_nothing(world, tmp_path, monkeypatch, capsys) -> None:
     from nnef_kv.cli import main
     from nnef_kv.interpreter.session import Session
@@ -516,6 +517,7 @@ def test_run_streams_each_step_and_ctrl_c_writes_nothing(world, tmp_path, monkey
     assert os.listdir(tmp_path) == []
 
 
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")  # a half-written zip left to finalise
 def test_run_step_error_names_the_step_after_the_lines_of_the_others(world, tmp_path, monkeypatch, capsys) -> None:
     import nnef_kv
     from nnef_kv.cli import main
