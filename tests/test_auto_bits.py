@@ -1,6 +1,7 @@
-"""``convert --auto-bits``: the knapsack against brute force, the whole command on the trained fixture
-decoder (archive and report written, the choice within the target, never more bytes than the best
-uniform setting, its figures reproduced by validating the written archive), and refusals."""
+"""``convert --auto-bits``: the knapsack against brute force, the measured refinement on a synthetic model,
+the whole command on the trained fixture decoder (archive and report written, the choice within the
+target, never more bytes than the best uniform setting, its figures reproduced by validating the written
+archive), and refusals."""
 from __future__ import annotations
 
 import itertools
@@ -12,7 +13,7 @@ import numpy as np
 import pytest
 
 from nnef_kv.cli import main
-from nnef_kv.validate.autobits import knapsack
+from nnef_kv.validate.autobits import AutoBitsResult, Candidate, _refine, _setting, _units, knapsack
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "tests" / "fixtures" / "trained_llama" / "model.nnef.tgz"
@@ -101,3 +102,41 @@ def test_auto_bits_refusals_write_nothing(tmp_path, capsys, args, msg):
     err = capsys.readouterr().err
     assert rc == 2 and msg in err and err.count("\n") == 1, err
     assert not out.exists() and not list(tmp_path.iterdir())
+
+
+class _Row:
+    status = "measured"
+
+    def __init__(self, kl: float, kv_bytes: float) -> None:
+        self.per_context = [{"kl_mean": kl, "kv_bytes": kv_bytes}]
+
+
+@pytest.mark.parametrize("pessimism", [1.0, 2.0, 4.0])
+def test_refinement_spends_the_kl_the_first_order_model_leaves(pessimism):
+    """A synthetic 3-layer model whose measured KL adds the units' true costs, given a sensitivity table
+    ``pessimism`` times the truth: from the all-precise setting, the refinement lowers units one step at a
+    time on measurements, never keeps a setting above the target, and ends where no single step fits."""
+    ladder, layers, split, target = (2, 3, 4), 3, True, 1.0
+    units = _units(layers, split)
+    true = {(u[0], u[1], lv): 0.1 * (u[0] + 1) * (4 - lv) ** 2 for u in units for lv in ladder}
+    ubytes = {(u[0], u[1], lv): float(lv) for u in units for lv in ladder}
+    dkl = {k: pessimism * v for k, v in true.items()}
+
+    def measure(c):
+        levels = [lv for k, v in c.setting for lv in (k, v)]
+        c.row = _Row(sum(true[(u[0], u[1], lv)] for u, lv in zip(units, levels)), float(sum(levels)))
+
+    start = Candidate("start", _setting({u: 4 for u in units}, layers, split))
+    measure(start)
+    res = AutoBitsResult("kivi", {}, target, target, 64, 8, layers, split, ladder, [start], dkl, [], start, None)
+    _refine(res, lambda cands: [measure(c) for c in cands], dkl, ubytes, units, ladder, layers, split, target,
+            {tuple(start.setting)})
+    assert res.rounds, "nothing refined"
+    best = min([c for c in res.rounds if c.kl <= target], key=lambda c: c.kv_bytes)
+    assert best.kv_bytes < start.kv_bytes and best.kl <= target
+    if pessimism == 1.0 and len(res.rounds) < 16:  # an exact table, rounds left: no single step down fits
+        levels = dict(zip(units, [x for k, v in best.setting for x in (k, v)]))
+        for u in units:
+            i = ladder.index(levels[u])
+            if i:
+                assert true[(u[0], u[1], ladder[i - 1])] - true[(u[0], u[1], levels[u])] > target - best.kl

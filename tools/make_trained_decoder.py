@@ -10,6 +10,9 @@ Two steps (torch only for the first):
     /work/hf-venv/bin/python tools/make_trained_decoder.py train OUT.npz   # transformers LlamaForCausalLM
     python tools/make_trained_decoder.py build OUT.npz tests/fixtures/trained_llama
 
+``--layers N`` (before the step; default 4) trains and builds the same model with N layers
+(``tests/fixtures/trained_llama8`` is ``--layers 8``, named ``trained_llama8``).
+
 ``train``: ``LlamaForCausalLM`` (4 layers, hidden 128, 4 query heads / 2 KV heads of 32, MLP 256,
 RoPE theta 10000, RMSNorm eps 1e-5, untied), ``torch.manual_seed(0)``, one torch thread, AdamW
 (lr 3e-3, cosine to 3e-4, weight decay 0.01, 1200 steps of 16 x 256 bytes) on the texts of
@@ -28,6 +31,11 @@ from pathlib import Path
 
 LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4, 128, 4, 2, 32, 256, 256
 SEQ, BATCH, STEPS, LR = 256, 16, 1200, 3e-3
+
+
+def _layers() -> int:
+    """``--layers N`` of the command line (default :data:`LAYERS`)."""
+    return int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else LAYERS
 
 
 def corpus() -> bytes:
@@ -54,7 +62,7 @@ def train(out: str) -> None:
     torch.manual_seed(0)
     torch.set_num_threads(1)
     data = torch.tensor(np.frombuffer(corpus(), np.uint8).astype(np.int64))
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=LAYERS,
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=MLP, num_hidden_layers=_layers(),
                       num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, head_dim=HEAD_DIM,
                       max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0,
                       tie_word_embeddings=False, attn_implementation="eager")
@@ -96,8 +104,9 @@ def build(npz: str, out_dir: str) -> None:
     from nnef_kv.text import byte_level_tokenizer
 
     z = np.load(npz)
-    cfg = DecoderConfig(vocab=VOCAB, hidden=HIDDEN, layers=LAYERS, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                        mlp=MLP, name="trained_llama")
+    n = _layers()
+    cfg = DecoderConfig(vocab=VOCAB, hidden=HIDDEN, layers=n, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
+                        mlp=MLP, name="trained_llama" if n == LAYERS else f"trained_llama{n}")
     weights = {k: z[k] for k in z.files if not k.startswith("_")}
     model = Model.from_text(build_decoder_text(cfg), weights, source=None)
     ids = z["_ref_ids"]
@@ -120,7 +129,8 @@ def build(npz: str, out_dir: str) -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1] == "train":
-        train(sys.argv[2])
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--layers" and sys.argv[i - 1] != "--layers"]
+    if args[0] == "train":
+        train(args[1])
     else:
-        build(sys.argv[2], sys.argv[3])
+        build(args[1], args[2])

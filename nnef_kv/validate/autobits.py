@@ -23,8 +23,14 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
    rounds: the predicted-KL limit is first the target's (x 1 and x 0.7); while every candidate measures
    within the target the limit grows (x 1.6, x 2.5: the first-order model is often pessimistic), while
    every one is above it shrinks, and once both kinds are seen it is searched between the largest good
-   and the smallest bad factor. The cheapest setting *measured* within the target wins, per-layer
-   candidates and uniform settings alike (the report says when a uniform one wins).
+   and the smallest bad factor.
+6. **Refinement.** From the cheapest setting measured within the target (a round's or a uniform one),
+   up to eight rounds lower units one ladder step, on measurements: the moves ranked by bytes saved per
+   predicted dKL added (step 3's table), those whose predicted KL stays within the target; the best move
+   and the best two together are measured, the cheapest within the target is the next start (the first
+   order model leaves KL unused when it is pessimistic). The cheapest setting *measured* within the
+   target wins, per-layer candidates and uniform settings alike (the report says when a uniform one
+   wins).
 
 The jobs of steps 2, 3 and 5 run on the process pool or Ray (:mod:`.jobs`)."""
 from __future__ import annotations
@@ -44,6 +50,7 @@ LADDERS: dict[str, tuple[Any, ...]] = {
 SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True}
 GRID = 4000
 ROUNDS = 6  # verification rounds (two candidates each)
+REFINE_ROUNDS = 8  # measured local-search rounds after them (two candidates each)
 
 
 @dataclass
@@ -304,6 +311,7 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
             factors = [bad_f * 0.6, bad_f * 0.35]
         else:  # between the two
             factors = [good_f + (bad_f - good_f) / 3, good_f + 2 * (bad_f - good_f) / 3]
+    _refine(res, run, dkl, ubytes, units, ladder, layers, split, target, tried)
     # the cheapest setting measured within the target: a per-layer candidate, or a uniform one
     within = [c for c in res.rounds + res.uniform + list(sens.values()) if c.kl <= target]
     res.chosen = min(within, key=lambda c: (c.kv_bytes, c.kl, c not in res.rounds)) if within else None
@@ -311,3 +319,56 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
         res.notes.append(f"no per-layer candidate measured within the target held fewer bytes than the "
                          f"measured setting '{res.chosen.label}', which is chosen")
     return res
+
+
+def _refine(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], float],
+            ubytes: dict[tuple[int, int, Any], float], units: list[tuple[int, int]], ladder: tuple[Any, ...],
+            layers: int, split: bool, target: float, tried: set[tuple]) -> None:
+    """Step 6 of the module docstring: measured one-step descents from the cheapest setting within the target."""
+    top = ladder[-1]
+
+    def cost(u: tuple[int, int], lv: Any) -> float:
+        return 0.0 if lv == top else dkl[(u[0], u[1], lv)]
+
+    for rnd in range(REFINE_ROUNDS):
+        within = [c for c in res.rounds + res.uniform if c.kl <= target]
+        if not within:
+            return
+        cur = min(within, key=lambda c: (c.kv_bytes, c.kl))
+        levels = {}
+        for layer, (k, v) in enumerate(cur.setting):
+            levels[(layer, 0)] = k
+            if split:
+                levels[(layer, 1)] = v
+        moves = []
+        for u in units:
+            i = ladder.index(levels[u])
+            if i == 0:
+                continue
+            lower = ladder[i - 1]
+            added = max(0.0, cost(u, lower) - cost(u, levels[u]))
+            saved = ubytes[(u[0], u[1], levels[u])] - ubytes[(u[0], u[1], lower)]
+            if saved > 0 and cur.kl + added <= target:
+                moves.append((saved / (added + 1e-12 * target), u, lower, added))
+        moves.sort(key=lambda m: -m[0])
+
+        def lowered(chosen: list[tuple]) -> list[tuple[Any, Any]]:
+            lv = dict(levels)
+            for _, u, lower, _ in chosen:
+                lv[u] = lower
+            return _setting(lv, layers, split)
+
+        cands = []
+        fresh = [m for m in moves if tuple(lowered([m])) not in tried]  # a move measured bad is not retried
+        groups = [fresh[:1]] + ([fresh[:2]] if len(fresh) > 1 and sum(m[3] for m in fresh[:2]) + cur.kl <= target
+                                else [])
+        for group in groups:
+            setting = lowered(group)
+            if not group or tuple(setting) in tried:
+                continue
+            tried.add(tuple(setting))
+            cands.append(Candidate(f"refinement {rnd + 1}, {len(group)} unit(s) one step down", setting))
+        if not cands:
+            return
+        run(cands)
+        res.rounds += cands
