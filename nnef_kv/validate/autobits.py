@@ -32,7 +32,7 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
    target wins, per-layer candidates and uniform settings alike (the report says when a uniform one
    wins).
 
-The jobs of steps 2, 3 and 5 run on the process pool or Ray (:mod:`.jobs`)."""
+The jobs of steps 2, 3, 5 and 6 run on the process pool or Ray (:mod:`.jobs`)."""
 from __future__ import annotations
 
 import math
