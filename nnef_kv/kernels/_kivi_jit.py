@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit, prange
 
 from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, wide_vectors, widen
-from ..kv.common import softmax_numerators
+from ..kv.common import causal_keep, softmax_numerators
 from .kivi_attention import _check_codec, cache_arrays, unsupported_reason
 from .kivi_attention import attend as _attend_kernel
 
@@ -665,7 +665,7 @@ def _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv,
             return out
         nth = 1  # a row whose max is not finite: the reference's rule looks at every head at once
     _run(_scores_heads, _scores_prange, n, nth, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
-    p = softmax_numerators(s, sq, is_causal)  # the softmax, as KiviSdpa's NumPy path does it
+    p = softmax_numerators(s, causal_keep(total, m, sq, is_causal))  # as KiviSdpa's NumPy path does it
     ls = p.sum(axis=-1)
     out = np.empty((n, m, d), np.float32)
     _run(_outputs_heads, _outputs_prange, n, nth, p, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
@@ -682,10 +682,8 @@ def _decode_pooled(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq,
     decides for all heads at once: the caller recomputes on one thread)."""
     n, m, d = qs.shape
     total = s.shape[2]
-    masked = None
-    if is_causal and sq > 1:
-        qpos = (total - sq) + (np.arange(m) % sq)
-        masked = ~(np.arange(total)[None, :] <= qpos[:, None])
+    keep = causal_keep(total, m, sq, is_causal)
+    masked = None if keep is None else ~keep
     ls = np.empty((n, m), np.float32)
     out = np.empty((n, m, d), np.float32)
     bad = []

@@ -53,7 +53,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..kv.common import softmax_numerators
+from ..kv.common import causal_keep, softmax_numerators
 from ..kv.packing import GroupCodec
 from . import kernel
 
@@ -144,7 +144,7 @@ def two_pass(ks: Callable[..., np.ndarray], vs: Callable[..., np.ndarray], q: np
         ks(q, k_codes, k_min, k_step, bits, key_group, out=s[:, :, ns:ns + tq], threads=threads)
     if nr:
         np.matmul(q, _f32(res_k).swapaxes(-1, -2), out=s[:, :, ns + tq:])
-    p = softmax_numerators(s, sq, is_causal)
+    p = softmax_numerators(s, causal_keep(total, m, sq, is_causal))
     ls = p.sum(axis=-1, keepdims=True)
     if tq:
         out = vs(p[:, :, ns:ns + tq], v_codes, v_min, v_step, bits, key_group, value_group, threads=threads)

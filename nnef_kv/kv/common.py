@@ -262,15 +262,23 @@ def start_call(state: Any, q: Any, k: Any, v: Any, check: Any = None
     return q, k, v, dims, out_dtype
 
 
-def softmax_numerators(s: np.ndarray, sq: int, is_causal: bool) -> np.ndarray:
-    """In place on the scores ``s [n, M, T]`` of a call whose ``sq`` queries are the last positions (row ``r``
-    is query ``r % sq``): the causal mask (a single query sees everything), each row's max subtracted (the
-    maxima replaced by 0 where not finite when some row's max is -inf or NaN: a row with every position
-    masked gives zeros, not NaN), then exp. Returns ``s``, now the softmax numerators."""
-    total, m = s.shape[-1], s.shape[-2]
-    if is_causal and sq > 1:
-        qpos = (total - sq) + (np.arange(m) % sq)
-        s[..., ~(np.arange(total)[None, :] <= qpos[:, None])] = -np.inf
+def causal_keep(total: int, m: int, sq: int, is_causal: bool) -> np.ndarray | None:
+    """``[M, T]`` bools: the positions each of the ``m`` query rows sees when the call's ``sq`` queries are the
+    last of ``total`` positions (row ``r`` is query ``r % sq``); None when nothing is masked (not causal, or
+    a single query: the last position sees everything)."""
+    if not (is_causal and sq > 1):
+        return None
+    qpos = (total - sq) + (np.arange(m) % sq)
+    return np.arange(total)[None, :] <= qpos[:, None]
+
+
+def softmax_numerators(s: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
+    """In place on the scores ``s [n, M, T]``: the positions outside ``keep`` (:func:`causal_keep`) masked,
+    each row's max subtracted (the maxima replaced by 0 where not finite when some row's max is -inf or NaN:
+    a row with every position masked gives zeros, not NaN), then exp. Returns ``s``, now the softmax
+    numerators."""
+    if keep is not None:
+        s[..., ~keep] = -np.inf
     mx = s.max(axis=-1, keepdims=True)
     if not mx.min() > -np.inf:  # rows with every position masked
         mx = np.where(np.isfinite(mx), mx, np.float32(0))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .common import GrowBuffer, f16_to_f32, softmax_numerators
+from .common import GrowBuffer, causal_keep, f16_to_f32, softmax_numerators
 from .kivi_parts import View, as32, finite_part
 
 __all__ = ["KiviAttention", "KERNEL_WORK", "KERNEL_WIDTH"]
@@ -120,7 +120,7 @@ class KiviAttention:
         if nr:
             np.matmul(q, as32(view.res_k[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
         self._softcap(s)
-        p = softmax_numerators(s, sq, c.is_causal)
+        p = softmax_numerators(s, causal_keep(total, m, sq, c.is_causal))
         ls = p.sum(axis=-1, keepdims=True)
         out = self._value_sum(p[:, :, ns:ns + tq], h0, h1, slot) if tq else np.zeros((n, m, d), np.float32)
         if ns:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .common import causal_keep, softmax_numerators
 from .kivi_parts import View, as32, finite_part
 
 __all__ = ["KiviDequantizedAttention"]
@@ -28,15 +29,8 @@ class KiviDequantizedAttention:
         total = k.shape[1]
         s = np.matmul(q * np.float32(c.scale), k.swapaxes(-1, -2))  # [n, M, T]
         self._softcap(s)
-        keep = None
-        if c.is_causal and sq > 1:
-            qpos = (total - sq) + (np.arange(m) % sq)
-            keep = np.arange(total)[None, :] <= qpos[:, None]  # [M, T]
-            s[:, ~keep] = -np.inf
-        mx = s.max(axis=-1, keepdims=True)
-        if not mx.min() > -np.inf:
-            mx = np.where(np.isfinite(mx), mx, np.float32(0))
-        p = np.exp(np.subtract(s, mx, out=s), out=s)
+        keep = causal_keep(total, m, sq, c.is_causal)  # [M, T] or None
+        p = softmax_numerators(s, keep)
         ls = p.sum(axis=-1, keepdims=True)
         vf, bad = finite_part(v, 0)  # masked positions contribute nothing, not even 0 * NaN
         out = np.matmul(p, vf)
