@@ -140,3 +140,27 @@ def test_refinement_spends_the_kl_the_first_order_model_leaves(pessimism):
             i = ladder.index(levels[u])
             if i:
                 assert true[(u[0], u[1], ladder[i - 1])] - true[(u[0], u[1], levels[u])] > target - best.kl
+
+
+def test_refinement_exchanges_when_no_step_down_fits():
+    """Two units on a ladder whose top step is dear (4, 5, 8 bytes, as q4/q5/q8): from (4, 8), lowering
+    the second unit alone breaks the target and the first is at the bottom, so only an exchange (the
+    first up, the second down: 2 bytes fewer, a lower KL) makes progress; after it a plain step down fits."""
+    ladder, layers, split, target = (4, 5, 8), 2, False, 0.55
+    units = _units(layers, split)
+    true = {(0, 0, 4): 0.5, (0, 0, 5): 0.1, (0, 0, 8): 0.0, (1, 0, 4): 0.2, (1, 0, 5): 0.1, (1, 0, 8): 0.0}
+    ubytes = {(u[0], u[1], lv): float(lv) for u in units for lv in ladder}
+
+    def measure(c):
+        c.row = _Row(sum(true[(layer, 0, k)] for layer, (k, _) in enumerate(c.setting)),
+                     float(sum(k for k, _ in c.setting)))
+
+    start = Candidate("start", _setting({(0, 0): 4, (1, 0): 8}, layers, split))
+    measure(start)
+    assert start.kl == 0.5 and start.kv_bytes == 12
+    res = AutoBitsResult("hf", {}, target, target, 64, 8, layers, split, ladder, [start], true, [], start, None)
+    _refine(res, lambda cands: [measure(c) for c in cands], true, ubytes, units, ladder, layers, split, target,
+            {tuple(start.setting)})
+    assert any("one unit down and one up" in c.label for c in res.rounds)
+    best = min([c for c in res.rounds if c.kl <= target], key=lambda c: (c.kv_bytes, c.kl))
+    assert [k for k, _ in best.setting] == [5, 4] and best.kv_bytes == 9 and best.kl <= target

@@ -11,7 +11,9 @@ Two steps (torch only for the first):
     python tools/make_trained_decoder.py build OUT.npz tests/fixtures/trained_llama
 
 ``--layers N`` (before the step; default 4) trains and builds the same model with N layers
-(``tests/fixtures/trained_llama8`` is ``--layers 8``, named ``trained_llama8``).
+(``tests/fixtures/trained_llama8`` is ``--layers 8``, named ``trained_llama8``); ``--seq N --batch N
+--steps N`` (``train`` only; defaults 256, 16, 1200) train on N-byte windows, N a step, N steps (a model
+trained on windows of other than 256 bytes is named ``..._seqN``).
 
 ``train``: ``LlamaForCausalLM`` (4 layers, hidden 128, 4 query heads / 2 KV heads of 32, MLP 256,
 RoPE theta 10000, RMSNorm eps 1e-5, untied), ``torch.manual_seed(0)``, one torch thread, AdamW
@@ -33,9 +35,22 @@ LAYERS, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4, 128, 4, 2, 32, 256, 2
 SEQ, BATCH, STEPS, LR = 256, 16, 1200, 3e-3
 
 
+OPTIONS = ("--layers", "--seq", "--batch", "--steps")
+
+
+def _opt(name: str, default: int) -> int:
+    """``NAME N`` of the command line (one of :data:`OPTIONS`), else ``default``."""
+    return int(sys.argv[sys.argv.index(name) + 1]) if name in sys.argv else default
+
+
 def _layers() -> int:
     """``--layers N`` of the command line (default :data:`LAYERS`)."""
-    return int(sys.argv[sys.argv.index("--layers") + 1]) if "--layers" in sys.argv else LAYERS
+    return _opt("--layers", LAYERS)
+
+
+def _train_shape() -> tuple[int, int, int]:
+    """``--seq``, ``--batch``, ``--steps`` of the command line (defaults :data:`SEQ`, :data:`BATCH`, :data:`STEPS`)."""
+    return _opt("--seq", SEQ), _opt("--batch", BATCH), _opt("--steps", STEPS)
 
 
 def corpus() -> bytes:
@@ -68,19 +83,20 @@ def train(out: str) -> None:
                       tie_word_embeddings=False, attn_implementation="eager")
     model = LlamaForCausalLM(cfg)
     opt = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, STEPS, eta_min=LR / 10)
+    seq, batch, steps = _train_shape()
+    sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, steps, eta_min=LR / 10)
     gen = torch.Generator().manual_seed(1)
     model.train()
-    for step in range(STEPS):
-        idx = torch.randint(0, len(data) - SEQ - 1, (BATCH,), generator=gen)
-        x = torch.stack([data[i:i + SEQ] for i in idx])
+    for step in range(steps):
+        idx = torch.randint(0, len(data) - seq - 1, (batch,), generator=gen)
+        x = torch.stack([data[i:i + seq] for i in idx])
         loss = model(input_ids=x, labels=x).loss
         opt.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()
-        if step % 50 == 0 or step == STEPS - 1:
+        if step % 50 == 0 or step == steps - 1:
             print(f"step {step} loss {loss.item():.3f}", flush=True)
     model.eval()
     sample = Path(__file__).resolve().parents[1] / "nnef_kv" / "samples" / "texts" / "declaration_of_independence.txt"
@@ -92,7 +108,8 @@ def train(out: str) -> None:
     weights = {k: v.detach().numpy().astype(np.float32) for k, v in model.state_dict().items()}
     inv = model.model.rotary_emb.inv_freq.detach().numpy().astype(np.float32)
     np.savez(out, **weights, **{"model.rotary_emb.inv_freq": inv, "_ref_ids": held[0].numpy(),
-                                "_ref_logits": ref, "_heldout_nll": np.float64(nll)})
+                                "_ref_logits": ref, "_heldout_nll": np.float64(nll),
+                                "_train": np.array([seq, batch, steps])})
 
 
 def build(npz: str, out_dir: str) -> None:
@@ -105,8 +122,10 @@ def build(npz: str, out_dir: str) -> None:
 
     z = np.load(npz)
     n = _layers()
+    seq, batch, steps = (int(x) for x in z["_train"]) if "_train" in z.files else (SEQ, BATCH, STEPS)
+    name = "trained_llama" + (f"{n}" if n != LAYERS else "") + (f"_seq{seq}" if seq != SEQ else "")
     cfg = DecoderConfig(vocab=VOCAB, hidden=HIDDEN, layers=n, heads=HEADS, kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                        mlp=MLP, name="trained_llama" if n == LAYERS else f"trained_llama{n}")
+                        mlp=MLP, name=name)
     weights = {k: z[k] for k in z.files if not k.startswith("_")}
     model = Model.from_text(build_decoder_text(cfg), weights, source=None)
     ids = z["_ref_ids"]
@@ -123,13 +142,13 @@ def build(npz: str, out_dir: str) -> None:
     nnef_kv.save(model, d / "model.nnef.tgz")
     (d / "tokenizer.json").write_text(byte_level_tokenizer().to_str())
     (d / "config.json").write_text(json.dumps({**cfg.to_dict(), "heldout_nll_nats_per_byte": float(z["_heldout_nll"]),
-                                               "train": {"steps": STEPS, "batch": BATCH, "seq": SEQ, "lr": LR}},
+                                               "train": {"steps": steps, "batch": batch, "seq": seq, "lr": LR}},
                                               indent=1) + "\n")
     print(f"wrote {d}")
 
 
 if __name__ == "__main__":
-    args = [a for i, a in enumerate(sys.argv[1:], 1) if a != "--layers" and sys.argv[i - 1] != "--layers"]
+    args = [a for i, a in enumerate(sys.argv[1:], 1) if a not in OPTIONS and sys.argv[i - 1] not in OPTIONS]
     if args[0] == "train":
         train(args[1])
     else:

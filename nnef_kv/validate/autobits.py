@@ -25,12 +25,14 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
    every one is above it shrinks, and once both kinds are seen it is searched between the largest good
    and the smallest bad factor.
 6. **Refinement.** From the cheapest setting measured within the target (a round's or a uniform one),
-   up to eight rounds lower units one ladder step, on measurements: the moves ranked by bytes saved per
+   up to twelve rounds lower units one ladder step, on measurements: the moves ranked by bytes saved per
    predicted dKL added (step 3's table), those whose predicted KL stays within the target; the best move
    and the best two together are measured, the cheapest within the target is the next start (the first
-   order model leaves KL unused when it is pessimistic). The cheapest setting *measured* within the
-   target wins, per-layer candidates and uniform settings alike (the report says when a uniform one
-   wins).
+   order model leaves KL unused when it is pessimistic). When no step down is left to try, a round
+   measures the two best *exchanges* instead: one unit a step down and another a step up, holding fewer
+   bytes (or as many at a lower predicted KL: that frees KL for the next steps down), predicted within the
+   target. The cheapest setting *measured* within the target wins, per-layer candidates and uniform
+   settings alike (the report says when a uniform one wins).
 
 The jobs of steps 2, 3, 5 and 6 run on the process pool or Ray (:mod:`.jobs`)."""
 from __future__ import annotations
@@ -50,7 +52,7 @@ LADDERS: dict[str, tuple[Any, ...]] = {
 SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True}
 GRID = 4000
 ROUNDS = 6  # verification rounds (two candidates each)
-REFINE_ROUNDS = 8  # measured local-search rounds after them (two candidates each)
+REFINE_ROUNDS = 12  # measured local-search rounds after them (two candidates each)
 
 
 @dataclass
@@ -368,7 +370,43 @@ def _refine(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], float
                 continue
             tried.add(tuple(setting))
             cands.append(Candidate(f"refinement {rnd + 1}, {len(group)} unit(s) one step down", setting))
+        if not cands:  # no step down left to try: exchanges
+            for setting in _exchanges(levels, cur.kl, cost, ubytes, units, ladder, layers, split, target, tried)[:2]:
+                tried.add(tuple(setting))
+                cands.append(Candidate(f"refinement {rnd + 1}, one unit down and one up", setting))
         if not cands:
             return
         run(cands)
         res.rounds += cands
+
+
+def _exchanges(levels: dict[tuple[int, int], Any], kl: float, cost: Any, ubytes: dict[tuple[int, int, Any], float],
+               units: list[tuple[int, int]], ladder: tuple[Any, ...], layers: int, split: bool, target: float,
+               tried: set[tuple]) -> list[list[tuple[Any, Any]]]:
+    """Settings one exchange from ``levels``: unit ``a`` one ladder step down, unit ``b`` one step up, holding
+    no more bytes and predicted within the target (a move of equal bytes only if it lowers the predicted KL:
+    it frees KL for later steps down). Most bytes saved first, then the lowest predicted KL; the settings
+    already measured are left out."""
+    out = []
+    for a in units:
+        i = ladder.index(levels[a])
+        if i == 0:
+            continue
+        down = ladder[i - 1]
+        for b in units:
+            j = ladder.index(levels[b])
+            if b == a or j == len(ladder) - 1:
+                continue
+            up = ladder[j + 1]
+            saved = (ubytes[(a[0], a[1], levels[a])] - ubytes[(a[0], a[1], down)]
+                     - (ubytes[(b[0], b[1], up)] - ubytes[(b[0], b[1], levels[b])]))
+            change = cost(a, down) - cost(a, levels[a]) - (cost(b, levels[b]) - cost(b, up))
+            if saved < 0 or kl + change > target or (saved == 0 and change >= 0):
+                continue
+            lv = dict(levels)
+            lv[a], lv[b] = down, up
+            setting = _setting(lv, layers, split)
+            if tuple(setting) not in tried:
+                out.append((-saved, change, setting))
+    out.sort(key=lambda m: (m[0], m[1]))
+    return [m[2] for m in out]
