@@ -11,7 +11,7 @@ Two steps (torch only for the first):
     python tools/make_trained_decoder.py build OUT.npz tests/fixtures/trained_llama
 
 ``--layers N`` (before the step; default 4) trains and builds the same model with N layers
-(``tests/fixtures/trained_llama8`` is ``--layers 8``, named ``trained_llama8``); ``--seq N --batch N
+(``--layers 8`` builds a model named ``trained_llama8``); ``--seq N --batch N
 --steps N`` (``train`` only; defaults 256, 16, 1200) train on N-byte windows, N a step, N steps (a model
 trained on windows of other than 256 bytes is named ``..._seqN``).
 
