@@ -22,7 +22,9 @@ RoPE theta 10000, RMSNorm eps 1e-5, untied), ``torch.manual_seed(0)``, one torch
 (English prose and lists); the sample text shipped with nnef-kv (the Declaration of Independence) is
 held out. ``build``: the weights into :func:`nnef_kv.models.build_decoder_text` (same labels, same
 rotate-half RoPE as HF's LLaMA), written with :func:`nnef_kv.save`, with the byte-level tokenizer and
-the config; the script checks nnef-kv's logits against the PyTorch ones saved by ``train``.
+the config; the script checks nnef-kv's logits against the PyTorch ones saved by ``train`` and writes the
+PyTorch reference (the 512 held-out bytes, their last-position logits) as ``reference.npz``
+(``tests/test_trained_fixtures.py`` checks the archive against it).
 """
 from __future__ import annotations
 
@@ -141,6 +143,7 @@ def build(npz: str, out_dir: str) -> None:
     d.mkdir(parents=True, exist_ok=True)
     nnef_kv.save(model, d / "model.nnef.tgz")
     (d / "tokenizer.json").write_text(byte_level_tokenizer().to_str())
+    np.savez(d / "reference.npz", ids=ids.astype(np.uint8), last_logits=z["_ref_logits"][-1].astype(np.float32))
     (d / "config.json").write_text(json.dumps({**cfg.to_dict(), "heldout_nll_nats_per_byte": float(z["_heldout_nll"]),
                                                "train": {"steps": steps, "batch": batch, "seq": seq, "lr": LR}},
                                               indent=1) + "\n")
