@@ -24,19 +24,29 @@ from nnef_kv.validate.compare import CompareOptions  # noqa: E402
 DEFAULT = ROOT / "tests" / "fixtures" / "trained_llama" / "model.nnef.tgz"
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def common_args(ap: argparse.ArgumentParser) -> None:
+    """The options this script shares with ``auto_bits_grid.py``: archive, context, predictions, jobs."""
     ap.add_argument("--archive", default=str(DEFAULT))
-    ap.add_argument("--schemes", default="kivi,ggml")
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--eval-tokens", type=int, default=64)
-    ap.add_argument("--budgets", default="0.02,0.01,0.005,0.002,0.001,0.0005,0.0002,0.0001,0.00005")
     ap.add_argument("--jobs", type=int)
-    ap.add_argument("--match-uniform-kl", action="store_true", help="as convert --auto-bits --match-uniform-kl")
-    a = ap.parse_args()
+
+
+def load_inputs(a: argparse.Namespace) -> tuple:
+    """The model, the sample text's tokens and the measuring options of :func:`common_args`'s options."""
     model = nnef_kv.load(a.archive)
     src = token_source(text=SAMPLE_TEXT, archive=a.archive)
-    copts = CompareOptions(contexts=[a.context], eval_tokens=a.eval_tokens, tract=False)
+    return model, src, CompareOptions(contexts=[a.context], eval_tokens=a.eval_tokens, tract=False)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    common_args(ap)
+    ap.add_argument("--schemes", default="kivi,ggml")
+    ap.add_argument("--budgets", default="0.02,0.01,0.005,0.002,0.001,0.0005,0.0002,0.0001,0.00005")
+    ap.add_argument("--match-uniform-kl", action="store_true", help="as convert --auto-bits --match-uniform-kl")
+    a = ap.parse_args()
+    model, src, copts = load_inputs(a)
     print(f"{a.archive}, context {a.context}, {a.eval_tokens} predictions of {SAMPLE_TEXT.name}")
     print("| scheme | --max-kl | best uniform | its KV bytes | its KL | --auto-bits --layer-bits | KV bytes | KL | "
           "fewer bytes | best uniform K/V pair (bytes, KL) | fewer bytes than it |")

@@ -22,36 +22,30 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import nnef_kv  # noqa: E402
-from nnef_kv.text import SAMPLE_TEXT, token_source  # noqa: E402
-from nnef_kv.validate.autobits import _layers, _spec, auto_bits  # noqa: E402
-from nnef_kv.validate.compare import CompareOptions, job_steps, prepare, run_job, worker_died  # noqa: E402
-from nnef_kv.validate.jobs import run_tasks  # noqa: E402
+from auto_bits import common_args, load_inputs  # noqa: E402  (this script's folder is on sys.path)
 
-DEFAULT = ROOT / "tests" / "fixtures" / "trained_llama" / "model.nnef.tgz"
+from nnef_kv.validate.autobits import _layers, _spec, auto_bits  # noqa: E402
+from nnef_kv.validate.compare import job_steps, prepare, run_job, worker_died  # noqa: E402
+from nnef_kv.validate.jobs import run_tasks  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--archive", default=str(DEFAULT))
+    common_args(ap)
     ap.add_argument("--scheme", default="ggml")
     ap.add_argument("--keys", default="q4_0,q5_0,q5_1")
     ap.add_argument("--values", default="q4_0,q4_1,q5_0")
-    ap.add_argument("--context", type=int, default=1024)
-    ap.add_argument("--eval-tokens", type=int, default=64)
     ap.add_argument("--max-kl", type=float, default=0.002)
-    ap.add_argument("--jobs", type=int)
     ap.add_argument("--top", type=int, default=5)
     a = ap.parse_args()
     conv = int if a.scheme != "ggml" else str
     keys, values = [conv(x) for x in a.keys.split(",")], [conv(x) for x in a.values.split(",")]
-    model = nnef_kv.load(a.archive)
-    src = token_source(text=SAMPLE_TEXT, archive=a.archive)
-    copts = CompareOptions(contexts=[a.context], eval_tokens=a.eval_tokens, tract=False)
+    model, src, copts = load_inputs(a)
     layers = _layers(model, a.scheme)
+    memo: dict = {}  # layer_bits text -> row: what auto-bits measured is not measured again for the grid
     t0 = time.perf_counter()
     r = auto_bits(model, src, a.scheme, {}, a.max_kl, copts, a.archive, jobs=a.jobs, show_progress=False,
-                  match_uniform=True)
+                  match_uniform=True, cache=memo)
     t_auto = time.perf_counter() - t0
     bu, ch = r.best_uniform, r.chosen
     if bu is None:
@@ -60,14 +54,19 @@ def main() -> None:
                 for vs in itertools.product(values, repeat=layers)]
     print(f"{a.archive}, scheme {a.scheme}, {layers} layers, context {a.context}, {a.eval_tokens} predictions; "
           f"grid keys {a.keys} x values {a.values}: {len(settings)} settings", flush=True)
-    job, _ = prepare(model, src, copts, a.archive)
     specs = [_spec(a.scheme, {}, s, str(i)) for i, s in enumerate(settings)]
+    todo = [sp for sp in specs if sp.kwargs["layer_bits"] not in memo]
     t0 = time.perf_counter()
-    rows, where = run_tasks(run_job, job, specs, [sp.text for sp in specs], jobs=a.jobs,
-                            steps=job_steps(copts, job.contexts), show_progress=False, on_error=worker_died)
+    where = "auto-bits' runs only"
+    if todo:
+        job, _ = prepare(model, src, copts, a.archive)
+        rows, where = run_tasks(run_job, job, todo, [sp.text for sp in todo], jobs=a.jobs,
+                                steps=job_steps(copts, job.contexts), show_progress=False, on_error=worker_died)
+        memo.update((sp.kwargs["layer_bits"], row) for sp, row in zip(todo, rows))
     t_grid = time.perf_counter() - t0
     measured = []
-    for sp, row in zip(specs, rows):
+    for sp in specs:
+        row = memo[sp.kwargs["layer_bits"]]
         f = row.per_context[-1] if row.status == "measured" and row.per_context else {}
         if f.get("kl_mean") is not None:
             measured.append((f["kv_bytes"], f["kl_mean"], sp.kwargs["layer_bits"]))
@@ -83,7 +82,8 @@ def main() -> None:
         print(line(f"grid, cheapest #{i + 1} at KL <= {bu.kl:.3g}", b, kl, bits))
     if ch is not None:
         print(line("--auto-bits --match-uniform-kl", ch.kv_bytes, ch.kl, r.layer_bits))
-    print(f"({len(measured)} of {len(settings)} grid settings measured in {t_grid:.0f} s on {where}, "
+    print(f"({len(measured)} of {len(settings)} grid settings measured ({len(specs) - len(todo)} of them by "
+          f"auto-bits), the others in {t_grid:.0f} s on {where}, "
           f"{len(within)} at or under the uniform KL; auto-bits {t_auto:.0f} s)")
 
 
