@@ -417,3 +417,116 @@ def test_pooled_heads_keep_the_one_thread_bits(monkeypatch, case):
     one = ka.attend(sd, q, sq, threads=1)
     np.testing.assert_array_equal(ka.attend(sd, q, sq, threads=2), one)
     np.testing.assert_array_equal(ka.attend(sd, q, sq, threads=4), one)
+
+
+@requires_numba
+def test_exp_nonpositive_is_within_one_ulp():
+    """The fused softmax's exp (numba cannot call NumPy's without the GIL): within 1 ulp of float64's exp
+    on [-87, 0], exactly 1 at 0, 0 below -87 and at -Inf, NaN for NaN; a vectorised loop gives the same
+    values as a scalar one."""
+    from numba import njit
+
+    from nnef_kv.kernels._numba_common import exp_nonpositive
+
+    @njit(cache=False, error_model="numpy")
+    def loop(x, out):
+        for i in range(x.size):
+            out[i] = exp_nonpositive(x[i])
+
+    rng = np.random.default_rng(3)
+    x = np.concatenate([np.linspace(-87, 0, 400_001, dtype=np.float32),
+                        -np.abs(rng.standard_normal(200_000).astype(np.float32)) * 8,
+                        -np.float32(2.0) ** -np.arange(1, 140, dtype=np.float32)]).astype(np.float32)
+    got = np.empty_like(x)
+    loop(x, got)
+    ref = np.exp(x.astype(np.float64))
+    ulp = np.abs(got - ref) / np.spacing(ref.astype(np.float32)).astype(np.float64)
+    assert ulp.max() <= 1.0
+    special = np.array([0.0, -0.0, -87.0001, -88, -1e4, -np.inf, np.nan], np.float32)
+    out = np.empty_like(special)
+    loop(special, out)
+    assert out[0] == out[1] == 1 and np.all(out[2:6] == 0) and np.isnan(out[6])
+    assert np.all([exp_nonpositive(np.float32(v)) == o for v, o in zip(x[::997], got[::997])])
+
+
+@requires_numba
+def test_fetch_add_hands_out_every_value_once_across_threads():
+    """The atomic claim the decode threads share: two nogil loops drawing from one counter get every value
+    below the end exactly once between them."""
+    import threading
+
+    from numba import njit
+
+    from nnef_kv.kernels._numba_common import fetch_add
+
+    @njit(nogil=True, cache=False)
+    def draw(counter, end, seen):
+        k = 0
+        while True:
+            v = fetch_add(counter)
+            if v >= end:
+                return k
+            seen[v] += 1
+            k += 1
+
+    end = 400_000
+    counter = np.zeros(1, np.int64)
+    seen = [np.zeros(end, np.int64) for _ in range(2)]
+    draw(np.zeros(1, np.int64), 0, seen[0])  # compile first
+    ts = [threading.Thread(target=draw, args=(counter, end, s)) for s in seen]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join()
+    assert np.array_equal(seen[0] + seen[1], np.ones(end, np.int64))
+    assert counter[0] == end + 2  # each loop drew one value past the end
+
+
+@requires_numba
+def test_fused_softmax_matches_numpy_softmax():
+    """A kv head in one nogil call (scores, softmax with exp_nonpositive, outputs) against the same scores
+    and outputs around NumPy's softmax. Bound: each weight within 1 + 2.4 ulp (the two exps; 8 eps
+    relative, rounded up), the weights' sum within T eps (another order), so the outputs move by at most
+    (2 * 8 + T) eps max|v|."""
+    from nnef_kv.kernels import _kivi_jit as kj
+
+    rng = np.random.default_rng(12)
+    for sq, params in ((1, "f16"), (3, "f32")):
+        sd = _cache(rng, bits=4, kg=32, vg=32, d=64, hkv=3, t=400, sinks=2, residual=9, params=params)
+        q = rng.standard_normal((3, 2 * sq, 64)).astype(np.float32) * 4
+        a = ka.cache_arrays(sd)
+        got = ka.decode_attention(q, **a, sq=sq)
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(kj, "_fused_claim", lambda counter, n, *args: args[-1].fill(1))  # every head "bad"
+            ref = ka.decode_attention(q, **a, sq=sq)
+        vmax = float(np.abs(sd.dequantized()[1]).max())
+        total = sd.n_sink + sd.n_quant + sd.n_res
+        assert np.abs(got - ref).max() <= (16 + total) * EPS * vmax
+
+
+@requires_numba
+def test_a_helper_moves_off_the_calling_threads_cpu(monkeypatch):
+    """The pool thread of a two-thread decode step keeps off the CPU its caller is on (where a woken helper
+    otherwise tends to stay, leaving the caller waiting), with one affinity call per change of CPU."""
+    from nnef_kv.kernels import _kivi_jit as kj
+
+    allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if len(allowed) < 2 or kj._getcpu is None:
+        pytest.skip("needs Linux and two CPUs")
+    calls = []
+    real = os.sched_setaffinity
+    monkeypatch.setattr(os, "sched_setaffinity", lambda pid, cpus: (calls.append(set(cpus)), real(pid, cpus)))
+
+    def in_pool(cpu):
+        kj._avoid_cpu(cpu)
+        kj._avoid_cpu(cpu)
+        return os.sched_getaffinity(0)
+
+    try:
+        for cpu in (allowed[0], allowed[1]):
+            got = kj._pool(1).submit(in_pool, cpu).result()
+            assert got == set(allowed) - {cpu}
+        assert calls == [set(allowed) - {allowed[0]}, set(allowed) - {allowed[1]}]
+    finally:
+        kj._pool(1).submit(real, 0, set(allowed)).result()
+        kj._pool(1).submit(lambda: setattr(kj._pinned, "avoid", None)).result()

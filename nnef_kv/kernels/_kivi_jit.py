@@ -6,12 +6,12 @@ import itertools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
 from numba import njit, prange
 
-from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, wide_vectors, widen
+from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, exp_nonpositive, fetch_add, wide_vectors, widen
 from ..kv.common import causal_keep, softmax_numerators
 from .kivi_attention import _check_codec, cache_arrays, unsupported_reason
 from .kivi_attention import attend as _attend_kernel
@@ -38,8 +38,8 @@ def _prange_is_safe() -> bool:
 
 
 #: how ``threads > 1`` splits the kv heads: "pool" (the calling thread and pool threads claim heads one
-#: at a time, one nogil call a head a phase; a head no helper has claimed when the caller runs out is
-#: the caller's, so a descheduled helper costs at most the head it holds) or "prange" (numba
+#: at a time from an atomic counter inside one nogil call each; a head no helper has claimed when the
+#: caller runs out is the caller's, so a descheduled helper costs at most the head it holds) or "prange" (numba
 #: ``parallel=True`` loops over the heads, OpenMP or TBB). Measured on the shared 2-vCPU machine
 #: (benchmarks/kernels.py, 4 bits): with the other core busy, prange's spinning OpenMP workers made a
 #: step 10-27x slower than one thread (T = 2048) where the claiming pool stays near one thread's time;
@@ -404,16 +404,73 @@ def _outputs_heads(h0, h1, p, ls, sink_v, ns, vcodes, vmin, vstep, bits, kg, vg,
                 om[c] = om[c] / lm
 
 
-@njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _scores_prange(q, sink_k, ns, kcodes, kmin, kstep, bits, kg, tq, res_k, nr, s):
-    for h in prange(q.shape[0]):
-        _scores_heads(h, h + 1, q, sink_k, ns, kcodes, kmin, kstep, bits, kg, tq, res_k, nr, s)
+@njit(**JIT_REASSOC)
+def _row_sum(row, n):
+    """sum(row[:n]) in lanes (``reassoc``: the sum vectorises)."""
+    wide_vectors()
+    acc = np.float32(0.0)
+    for t in range(n):
+        acc += row[t]
+    return acc
+
+
+@njit(**JIT)
+def _softmax_head(sh, lh, sq, is_causal):
+    """The softmax numerators of one head's rows, in place on its scores ``sh [M, T]``, and their sums
+    ``lh [M]``: a causal call's later positions masked (row r is query r % sq of the last sq), the row's
+    max subtracted, :func:`exp_nonpositive`. False (rows left half done) when a row's max is not finite:
+    the reference's rule for that case looks at every head at once, the caller recomputes."""
+    m_rows, total = sh.shape
+    for m in range(m_rows):
+        row = sh[m]
+        if is_causal and sq > 1:
+            for t in range(total - sq + m % sq + 1, total):
+                row[t] = -np.inf
+        mx = np.float32(-np.inf)
+        nan = False
+        for t in range(total):
+            x = row[t]
+            nan |= x != x
+            mx = x if x > mx else mx
+        if nan or not (mx > -np.inf and mx < np.inf):
+            return False
+        for t in range(total):
+            row[t] = exp_nonpositive(row[t] - mx)
+        lh[m] = _row_sum(row, total)
+    return True
+
+
+@njit(**JIT)
+def _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
+                is_causal, s, ls, out, bad):
+    """All of kv head h in one call: its scores into s[h], their softmax, its outputs into out[h]
+    (bad[h] = 1 instead when a row's max is not finite)."""
+    _scores_heads(h, h + 1, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
+    if not _softmax_head(s[h], ls[h], sq, is_causal):
+        bad[h] = 1
+        return
+    _outputs_heads(h, h + 1, s, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
+
+
+@njit(**JIT)
+def _fused_claim(counter, n, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv,
+                 sq, is_causal, s, ls, out, bad):
+    """Heads claimed one at a time from the shared ``counter`` (:func:`fetch_add`) until none is left: the
+    body of every thread of a decode step, one nogil call each (no GIL taken between heads)."""
+    while True:
+        h = fetch_add(counter)
+        if h >= n:
+            return
+        _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
+                    is_causal, s, ls, out, bad)
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _outputs_prange(p, ls, sink_v, ns, vcodes, vmin, vstep, bits, kg, vg, tq, res_v, nr, out):
-    for h in prange(p.shape[0]):
-        _outputs_heads(h, h + 1, p, ls, sink_v, ns, vcodes, vmin, vstep, bits, kg, vg, tq, res_v, nr, out)
+def _fused_prange(n, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
+                  is_causal, s, ls, out, bad):
+    for h in prange(n):
+        _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
+                    is_causal, s, ls, out, bad)
 
 
 # ================================================================================== threads
@@ -427,6 +484,51 @@ def _pool(n: int) -> ThreadPoolExecutor:
         if pool is None:
             pool = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="nnef_kv_kernels")
         return pool
+
+
+def _current_cpu() -> Callable[[], int] | None:
+    """``sched_getcpu`` of the C library (the CPU the calling thread runs on), or None where there is none."""
+    try:
+        import ctypes
+
+        fn = ctypes.CDLL(None, use_errno=True).sched_getcpu
+        fn.restype = ctypes.c_int
+        fn.argtypes = []
+        return fn if fn() >= 0 else None
+    except (OSError, AttributeError):  # pragma: no cover - not glibc / not Linux
+        return None
+
+
+_getcpu = _current_cpu() if hasattr(os, "sched_setaffinity") else None
+_allowed = frozenset(os.sched_getaffinity(0)) if _getcpu is not None else frozenset()
+_pinned = threading.local()
+
+
+def _avoid_cpu(cpu: int) -> None:
+    """Keep the calling (pool) thread off ``cpu``, the CPU the decode step's calling thread is on.
+
+    Measured (a probe timing each thread of a step, BLAS on two threads and an f32 attention before each
+    step, 2-vCPU machine): when a helper is woken it is often placed on its waker's CPU (the other one is
+    busy with OpenBLAS's spinning idle worker), and it then keeps that CPU until it has run every head
+    while the calling thread waits for it: the step takes one thread's time, 1.3-1.5 ms instead of 0.9-1.1.
+    A helper that moves itself to another CPU shares that one with the spinner, which yields to it. One
+    ``sched_setaffinity`` call when the calling thread's CPU changed, none otherwise; nothing where the
+    process may run on one CPU only or the call is refused (a cpuset changed under us)."""
+    if cpu < 0 or getattr(_pinned, "avoid", None) == cpu:
+        return
+    _pinned.avoid = cpu
+    others = _allowed - {cpu}
+    if others:
+        try:
+            os.sched_setaffinity(0, others)
+        except OSError:  # pragma: no cover - the process's CPU set changed
+            pass
+
+
+def _claim_helper(cpu: int, counter: np.ndarray, n: int, *args: Any) -> None:
+    """A pool thread's part of a decode step: off the caller's CPU, then heads from the shared counter."""
+    _avoid_cpu(cpu)
+    _fused_claim(counter, n, *args)
 
 
 def _over_heads(core, n: int, threads: int, *args: Any) -> None:
@@ -575,20 +677,6 @@ def _full(a: np.ndarray, shape: tuple[int, int, int], name: str) -> np.ndarray:
     return as_f32_or_u16(_leading(a))
 
 
-def _run(core, prange_core, n: int, threads: int, *args: Any) -> None:
-    if threads > 1 and PARALLEL == "prange":
-        import numba
-
-        saved = numba.get_num_threads()
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        try:
-            prange_core(*args)
-        finally:
-            numba.set_num_threads(saved)
-    else:
-        _over_heads(core, n, threads, *args)
-
-
 def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_codes: np.ndarray,
                      k_min: np.ndarray, k_step: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray,
                      v_step: np.ndarray, res_k: np.ndarray, res_v: np.ndarray, *, scale: float, bits: int,
@@ -596,10 +684,9 @@ def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_co
                      threads: int = 1) -> np.ndarray:
     """numba side of :func:`nnef_kv.kernels.kivi_attention.decode_attention`.
 
-    Two numba calls (scores of every position; then values and the division), the softmax in between
-    in NumPy, exactly the reference's steps (one max, the same non-finite-max rule, one exp, one sum).
-    ``threads > 1`` splits the kv heads: a thread pool whose threads claim a head at a time and run the
-    whole of it (:func:`_decode_pooled`), or numba prange (``PARALLEL``, two phases)."""
+    A kv head is one nogil numba call (scores, softmax, outputs: :func:`_fused_head`); ``threads > 1``
+    splits the heads over the calling thread and pool threads that claim them from an atomic counter,
+    or over numba prange (``PARALLEL``); see :func:`_decode`."""
     q, kcodes, bits, kg = _check_key_args(q, k_codes, bits, key_group)
     n, m, d = q.shape
     tq = kcodes.shape[1]
@@ -652,57 +739,58 @@ def decode_attention_rows(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray,
 
 def _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, scale, bits, kg, vg, sq,
             is_causal, nth) -> np.ndarray:
-    """The attention proper: scores of every position (numba), the reference's softmax (NumPy), then the
-    values and the division (numba); the arrays ready for the cores."""
+    """The attention proper, the arrays ready for the cores: each kv head in one nogil call
+    (:func:`_fused_head`: its scores, their softmax, its outputs), the heads claimed one at a time by the
+    calling thread and ``nth - 1`` pool threads from a shared atomic counter (:func:`_fused_claim`: one
+    call a thread, so no thread takes the GIL between heads), or split by numba prange (``PARALLEL``).
+    Every thread count gives the same bits (a head is computed by the same code whoever claims it).
+    When some row's max is not finite, the reference's rule (which looks at every head at once) is
+    followed instead: the scores again, NumPy's softmax on all of them, the outputs (:func:`_decode_numpy_softmax`)."""
     n, m, d = q.shape
     total = ns + tq + nr
     qs = q * np.float32(scale)
     s = np.empty((n, m, total), np.float32)
-    if nth > 1 and PARALLEL == "pool":
-        out = _decode_pooled(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, bits, kg, vg,
-                             sq, is_causal, nth, s)
-        if out is not None:
-            return out
-        nth = 1  # a row whose max is not finite: the reference's rule looks at every head at once
-    _run(_scores_heads, _scores_prange, n, nth, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
-    p = softmax_numerators(s, causal_keep(total, m, sq, is_causal))  # as KiviSdpa's NumPy path does it
-    ls = p.sum(axis=-1)
+    ls = np.empty((n, m), np.float32)
     out = np.empty((n, m, d), np.float32)
-    _run(_outputs_heads, _outputs_prange, n, nth, p, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
+    bad = np.zeros(n, np.uint8)
+    args = (qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, int(sq),
+            bool(is_causal), s, ls, out, bad)
+    if nth > 1 and PARALLEL == "prange":
+        import numba
+
+        saved = numba.get_num_threads()
+        numba.set_num_threads(min(nth, numba.config.NUMBA_NUM_THREADS))
+        try:
+            _fused_prange(n, *args)
+        finally:
+            numba.set_num_threads(saved)
+    else:
+        counter = np.zeros(1, np.int64)
+        helpers = []
+        if nth > 1:
+            cpu = _getcpu() if _getcpu is not None and len(_allowed) > 1 else -1
+            helpers = [_pool(nth - 1).submit(_claim_helper, cpu, counter, n, *args) for _ in range(nth - 1)]
+        _fused_claim(counter, n, *args)
+        for f in helpers:  # a helper that has not started finds no head left: cancelled, not waited for
+            if not f.cancel():
+                f.result()
+    if bad.any():
+        return _decode_numpy_softmax(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, bits,
+                                     kg, vg, sq, is_causal, s)
     return out
 
 
-def _decode_pooled(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, bits, kg, vg, sq,
-                   is_causal, nth, s) -> np.ndarray | None:
-    """:func:`_decode` on ``nth`` threads in one phase: a thread claims a head and runs all of it (scores,
-    the softmax of its rows, values), so no thread waits for the others between phases
-    (``benchmarks/kivi_threads.py``: two threads / one 0.83x-0.85x warm, 0.69x-0.79x cold, vs 0.86x-0.97x
-    and 0.82x-0.88x for two phases, T = 8192, 8 x 128, 4 bits). The same bits as one thread: the softmax
-    is the same NumPy calls on each row. None when some row's max is not finite (the reference then
-    decides for all heads at once: the caller recomputes on one thread)."""
+def _decode_numpy_softmax(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, bits, kg, vg, sq,
+                          is_causal, s) -> np.ndarray:
+    """Scores of every position, the reference's softmax in NumPy over all heads at once
+    (:func:`softmax_numerators`: its rule for rows whose max is not finite), then the outputs; one thread."""
     n, m, d = qs.shape
-    total = s.shape[2]
-    keep = causal_keep(total, m, sq, is_causal)
-    masked = None if keep is None else ~keep
-    ls = np.empty((n, m), np.float32)
+    _scores_heads(0, n, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
+    p = softmax_numerators(s, causal_keep(s.shape[2], m, sq, is_causal))
+    ls = p.sum(axis=-1)
     out = np.empty((n, m, d), np.float32)
-    bad = []
-
-    def head(h0: int, h1: int) -> None:
-        _scores_heads(h0, h1, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
-        sh = s[h0:h1]
-        if masked is not None:
-            sh[:, masked] = -np.inf
-        mx = sh.max(axis=-1, keepdims=True)
-        if not np.isfinite(mx).all():
-            bad.append(h0)
-            return
-        p = np.exp(np.subtract(sh, mx, out=sh), out=sh)
-        ls[h0:h1] = p.sum(axis=-1)
-        _outputs_heads(h0, h1, s, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
-
-    _over_heads(head, n, nth)
-    return None if bad else out
+    _outputs_heads(0, n, p, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
+    return out
 
 
 def attend(sdpa: Any, q: np.ndarray, sq: int = 1, threads: int | None = None) -> np.ndarray:

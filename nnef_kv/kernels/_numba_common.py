@@ -10,6 +10,15 @@
   quieted, every other value is bit-identical: checked in the tests).
 * :func:`widen`: ``float32(x)`` for a float32 element, f16 -> f32 for a uint16 (f16 bits) element; the
   kernels take f16 arrays as uint16 views and f32 arrays as they are, one compiled version each.
+* :func:`fetch_add`: atomically add 1 to ``a[0]`` (an int64 array) and return its previous value (an LLVM
+  ``atomicrmw add``, sequentially consistent): threads running one nogil core claim work items from a
+  shared counter without going back to Python (and the GIL) between items.
+* :func:`exp_nonpositive`: ``exp(x)`` of a float32 ``x <= 0`` (a softmax numerator, the row max already
+  subtracted), branch-free so that a loop over it vectorises: NumPy's ``exp`` is a call numba cannot
+  make without the GIL, and LLVM's ``expf`` stays one scalar libm call an element. Within 1 ulp of
+  the exact value for ``-87 <= x <= 0`` (measured: 0.97 ulp at most over 3 million points, NumPy's own
+  float32 exp 2.37 ulp; checked against float64 in the tests), exactly 1 at 0, 0 below -87 (where the
+  true value is under 1.7e-38), NaN for NaN.
 * :func:`wide_vectors`: called first in a core, marks the LLVM function being compiled with
   ``"prefer-vector-width"="512"`` when the host has AVX-512 (:data:`WIDE`): LLVM's default on these CPUs
   is 256-bit vectors (a tuning for the first AVX-512 parts, whose clock dropped with 512-bit work), and
@@ -29,8 +38,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["bits_to_f32", "h2f", "half_bits_to_f32", "widen", "wide_vectors", "JIT", "JIT_REASSOC",
-           "as_f32_or_u16", "HAVE_F16C", "WIDE"]
+__all__ = ["bits_to_f32", "fetch_add", "exp_nonpositive", "h2f", "half_bits_to_f32", "widen", "wide_vectors",
+           "JIT", "JIT_REASSOC", "as_f32_or_u16", "HAVE_F16C", "WIDE"]
 
 #: options of every core: cached on disk, releases the GIL, IEEE arithmetic (no fastmath), NumPy's
 #: error model (x / 0 gives Inf/NaN as in NumPy instead of raising)
@@ -66,6 +75,45 @@ def h2f(h16):
     s = np.float32(np.int32(m)) * np.float32(5.9604644775390625e-08)  # subnormal: m * 2**-24, exact
     s = -s if neg else s
     return s if e == np.uint32(0) else v
+
+
+@intrinsic
+def fetch_add(typingctx, a):
+    """``old = a[0]; a[0] += 1; return old`` as one atomic operation (``a``: a C-contiguous int64 array)."""
+    if not (isinstance(a, types.Array) and a.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, sig, args):
+        arr = context.make_array(sig.args[0])(context, builder, args[0])
+        one = context.get_constant(types.int64, 1)
+        return builder.atomic_rmw("add", arr.data, one, "seq_cst")
+    return types.int64(a), codegen
+
+
+# exp(x) = 2**n * exp(r), n = round(x / ln 2), r = x - n ln 2 in two parts (n * _LN2_HI is exact: _LN2_HI
+# has 9 significant bits, |n| <= 126); exp(r) on |r| <= ln(2) / 2 by the classic single-precision
+# polynomial 1 + r + r**2 P(r) (Cephes' expf coefficients, a minimax fit of that range)
+_LOG2E = np.float32(1.44269504088896341)
+_LN2_HI = np.float32(0.693359375)
+_LN2_LO = np.float32(-2.12194440e-4)
+_ROUND = np.float32(12582912.0)  # 1.5 * 2**23: (t + _ROUND) - _ROUND rounds t to an integer, |t| < 2**22
+_EXP_P = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2,
+                                        1.6666665459e-1, 5.0000001201e-1))
+_EXP_FLOOR = np.float32(-87.0)
+
+
+@njit(inline="always", fastmath=False, error_model="numpy")
+def exp_nonpositive(x):
+    """exp of a float32 ``x <= 0`` (NaN in, NaN out; -Inf and anything below -87 give 0)."""
+    xc = _EXP_FLOOR if x < _EXP_FLOOR else x  # NaN stays NaN (the comparison is false)
+    f = (xc * _LOG2E + _ROUND) - _ROUND
+    r = (xc - f * _LN2_HI) - f * _LN2_LO
+    p0, p1, p2, p3, p4, p5 = _EXP_P
+    y = (((((p0 * r + p1) * r + p2) * r + p3) * r + p4) * r + p5) * (r * r) + r + np.float32(1.0)
+    n = np.int32(f) if f == f else np.int32(0)  # f is in [-126, 0]; NaN gives n = 0 (y is NaN anyway)
+    scale = bits_to_f32(np.uint32((n + np.int32(127)) << np.int32(23)))
+    out = y * scale
+    return np.float32(0.0) if x < _EXP_FLOOR else out
 
 
 @intrinsic
