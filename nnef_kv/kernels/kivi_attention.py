@@ -13,7 +13,7 @@ residual window in full precision and, between them, ``Tq`` quantized tokens sto
   holds channel ``c`` of the tokens ``r + i * key_group/per`` in bit field ``i``; 8 bits are plain
   ``[Tq, D]`` bytes. The kernels read that layout as it is (no conversion, no f32 code buffer).
 
-**Loops** (numba side; per kv head, two nogil calls a thread: all scores, then all outputs):
+**Loops** (numba side; a kv head is one nogil call: its scores, their softmax, its outputs):
 
 * keys: ``s[t] = sum_c (q step)_c code[t, c] + sum_c q_c min_c`` (the key step folded into the query,
   as in ``KiviSdpa._key_scores``). Each byte row of a group gives ``per`` tokens at once; the inner loop
@@ -31,11 +31,16 @@ residual window in full precision and, between them, ``Tq`` quantized tokens sto
   inner loop runs over the ``vg`` contiguous channels of a value group with the token weights
   broadcast (two byte rows a pass at 4 and 8 bits), the axpy shape that vectorises with plain IEEE
   arithmetic (``fastmath`` off); sinks and window values are axpy loops too.
-* the softmax is NumPy's, between the two numba phases, with exactly the reference's steps: the scores
-  of every position (sinks, quantized tokens, window) in one ``[n, M, T]`` matrix, the causal mask,
-  one max (with ``_attend_two_pass``'s rule for non-finite maxima), one ``exp``, one sum.
-* ``threads > 1``: the heads are split over numba ``prange`` (OpenMP layer) or a thread pool of
-  contiguous head ranges (``nnef_kv.kernels._kivi_jit.PARALLEL``; see there for the measurements).
+* the softmax, per row of a head, in the same call: the scores of every position (sinks, quantized
+  tokens, window) in one ``[n, M, T]`` matrix, the causal mask, the row's max subtracted, an exp
+  (``exp_nonpositive`` of ``_numba_common``: NumPy's exp cannot be called without the GIL, LLVM's stays
+  a scalar libm call; within 1 ulp, where NumPy's float32 exp is within 2.4), the sum in lanes. A row
+  whose max is not finite makes the whole call follow the reference's rule instead (it looks at every
+  head at once): the scores again, NumPy's softmax over all heads, the outputs, on one thread.
+* ``threads > 1``: the calling thread and pool threads each make one nogil call that claims heads from
+  an atomic counter until none is left (no GIL between heads), or numba ``prange`` over the heads
+  (``nnef_kv.kernels._kivi_jit.PARALLEL``; see there and ``_avoid_cpu`` for the measurements). Every
+  thread count gives the same bits: a head is the same code whoever runs it.
 
 **Scope.** The kernels take caches without outliers (the exact side table of non-finite or huge keys
 and values): :func:`attend` falls back to ``KiviSdpa``'s own NumPy path when there are outliers, for the
