@@ -318,6 +318,7 @@ def test_threads_and_prange_give_bit_identical_results(monkeypatch):
     from nnef_kv.kernels import _kivi_jit as kj
 
     monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+    monkeypatch.setattr(kj, "SPLIT_WORK", 0)  # split however small the step
     rng = np.random.default_rng(7)
     sd = _cache(rng, bits=4, kg=32, vg=32, d=64, hkv=4, t=300, sinks=1, residual=8, params="f16")
     q = rng.standard_normal((4, 2, 64)).astype(np.float32)
@@ -402,6 +403,7 @@ def test_pooled_heads_keep_the_one_thread_bits(monkeypatch, case):
 
     monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
     monkeypatch.setattr(kj, "PARALLEL", "pool")
+    monkeypatch.setattr(kj, "SPLIT_WORK", 0)  # split however small the step
     rng = np.random.default_rng(11)
     sd = _cache(rng, bits=4, kg=32, vg=32, d=64, hkv=4, t=300, sinks=1, residual=8, params="f16")
     sq = 3 if case == "prefill" else 1
@@ -530,3 +532,27 @@ def test_a_helper_moves_off_the_calling_threads_cpu(monkeypatch):
     finally:
         kj._pool(1).submit(real, 0, set(allowed)).result()
         kj._pool(1).submit(lambda: setattr(kj._pinned, "avoid", None)).result()
+
+
+@requires_numba
+def test_a_small_step_stays_on_the_calling_thread(monkeypatch):
+    """Below ``SPLIT_WORK`` a two-thread step wakes no helper (it would cost more than it saves), and gives
+    the bits of the split step."""
+    from nnef_kv.kernels import _kivi_jit as kj
+
+    monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+    rng = np.random.default_rng(13)
+    sd = _cache(rng, bits=4, kg=32, vg=32, d=64, hkv=4, t=300, sinks=1, residual=8, params="f16")
+    q = rng.standard_normal((4, 2, 64)).astype(np.float32)
+    monkeypatch.setattr(kj, "SPLIT_WORK", 0)
+    split = ka.attend(sd, q, 1, threads=2)
+
+    def no_pool(n):
+        raise AssertionError("a helper was woken")
+
+    monkeypatch.setattr(kj, "SPLIT_WORK", 4 * 2 * 64 * (sd.n_sink + sd.n_quant + sd.n_res) + 1)
+    monkeypatch.setattr(kj, "_pool", no_pool)
+    assert np.array_equal(ka.attend(sd, q, 1, threads=2), split)
+    monkeypatch.setattr(kj, "SPLIT_WORK", 0)
+    with pytest.raises(AssertionError, match="helper"):
+        ka.attend(sd, q, 1, threads=2)

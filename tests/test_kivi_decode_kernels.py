@@ -73,6 +73,9 @@ def test_two_threads_give_the_one_thread_bits_on_the_kernels(monkeypatch) -> Non
     for op in (a, b):
         op(*x)
     monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+    from nnef_kv.kernels import _kivi_jit as kj
+
+    monkeypatch.setattr(kj, "SPLIT_WORK", 0)  # split however small the step
     for _ in range(5):
         x = _qkv(rng, 1)
         np.testing.assert_array_equal(a(*x), b(*x))

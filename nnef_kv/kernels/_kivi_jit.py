@@ -48,6 +48,12 @@ def _prange_is_safe() -> bool:
 PARALLEL = "prange" if os.environ.get("NNEF_KV_KIVI_PARALLEL", "").strip() == "prange" and _prange_is_safe() \
     else "pool"
 
+#: a decode step is split over threads only when it reads at least this many positions x query rows x head
+#: dims (all kv heads): below, waking a helper costs more than it saves. Measured (``benchmarks/kv_speed.py
+#: --threads 1`` / ``--threads 2``, 8 kv heads x 128, 4 bits): T = 512 0.17 vs 0.28 ms, T = 1024 0.25 vs
+#: 0.32 ms, T = 2048 0.39 vs 0.40 ms, T = 4096 0.71 vs 0.63 ms, T = 8192 1.8 vs 1.3 ms (one vs two threads).
+SPLIT_WORK = 3 << 20
+
 
 # ===================================================================================== keys
 @njit(**JIT_REASSOC)
@@ -742,12 +748,15 @@ def _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv,
     """The attention proper, the arrays ready for the cores: each kv head in one nogil call
     (:func:`_fused_head`: its scores, their softmax, its outputs), the heads claimed one at a time by the
     calling thread and ``nth - 1`` pool threads from a shared atomic counter (:func:`_fused_claim`: one
-    call a thread, so no thread takes the GIL between heads), or split by numba prange (``PARALLEL``).
+    call a thread, so no thread takes the GIL between heads), or split by numba prange (``PARALLEL``); one
+    thread below ``SPLIT_WORK``.
     Every thread count gives the same bits (a head is computed by the same code whoever claims it).
     When some row's max is not finite, the reference's rule (which looks at every head at once) is
     followed instead: the scores again, NumPy's softmax on all of them, the outputs (:func:`_decode_numpy_softmax`)."""
     n, m, d = q.shape
     total = ns + tq + nr
+    if total * n * m * d < SPLIT_WORK:
+        nth = 1
     qs = q * np.float32(scale)
     s = np.empty((n, m, total), np.float32)
     ls = np.empty((n, m), np.float32)
