@@ -154,3 +154,27 @@ print('ok')
     got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO),
                          env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
     assert got.returncode == 0 and got.stdout.strip().endswith("ok"), got.stderr[-2000:]
+
+
+@needs_kernels
+def test_loading_a_q4_model_does_not_import_numba() -> None:
+    """Block weights kept as blocks are decided at plan time without importing numba (it maps 64 MiB of
+    numba and LLVM): a fresh process that loads and plans the Q4_0 decoder has not imported it; its first
+    call does, and runs the products on the kernels."""
+    code = """
+import sys
+import numpy as np
+from nnef_kv.models import DecoderConfig, build_decoder
+from nnef_kv.interpreter.session import Session
+from nnef_kv.validate.decode import detect_signature
+cfg = DecoderConfig(cache='explicit', vocab=64, hidden=64, heads=4, kv_heads=2, head_dim=16, mlp=96, weights='q4_0')
+s = Session(build_decoder(cfg)); sig = detect_signature(s.plan)
+assert s.plan.info['block_products'] > 0 and 'dequantized_weights' not in s.plan.info, s.plan.info
+assert 'numba' not in sys.modules and 'llvmlite' not in sys.modules
+r = s.run({sig.ids_input: np.arange(5)[None], **sig.empty_caches()})
+assert np.isfinite(r[sig.logits_output]).all() and 'numba' in sys.modules
+print('ok')
+"""
+    got = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=str(REPO),
+                         env={"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin"})
+    assert got.returncode == 0 and got.stdout.strip().endswith("ok"), got.stderr[-2000:]

@@ -28,7 +28,7 @@ import os
 import warnings
 from typing import Any, Callable
 
-__all__ = ["numba_available", "Kernel", "kernel", "NO_NUMBA_ENV"]
+__all__ = ["numba_available", "numba_installed", "Kernel", "kernel", "NO_NUMBA_ENV"]
 
 NO_NUMBA_ENV = "NNEF_KV_NO_NUMBA"
 
@@ -51,6 +51,24 @@ def numba_available() -> bool:
         else:
             _numba_ok = True
     return _numba_ok
+
+
+def numba_installed() -> bool:
+    """What :func:`numba_available` will say, without importing numba when it has not been tried yet (the
+    package is found on the path): for decisions taken at plan time, so that loading a model does not map
+    numba and LLVM (64 MiB of the process's memory, measured) before a kernel runs. A numba that is found
+    but fails to import is found out at the first kernel call, which then runs the NumPy reference (the
+    same results, its speed)."""
+    if os.environ.get(NO_NUMBA_ENV, "").strip() == "1":
+        return False
+    if _numba_ok is not None:
+        return _numba_ok
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("numba") is not None
+    except (ImportError, ValueError):  # pragma: no cover - a broken entry on the path
+        return False
 
 
 class Kernel:

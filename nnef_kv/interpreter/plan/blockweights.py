@@ -81,10 +81,11 @@ def rewrite_block_product(node: Node, base: list[Any], consts: set[int]) -> tupl
     """``linear`` / ``matmul(transposeB)`` by a constant block weight -> a :class:`BlockLinear` step. Not
     without the numba kernels: their NumPy reference dequantizes the weight at every call (0.14x tract's
     decode on the Q4_0 benchmark decoder); the weight is then dequantized once (:func:`materialize`, the
-    reference's bits at 0.78x tract's speed there, the f32 weights' memory)."""
-    from ...kernels import numba_available
+    reference's bits at 0.78x tract's speed there, the f32 weights' memory). numba is looked for, not
+    imported (:func:`~nnef_kv.kernels.numba_installed`): it loads with the first product."""
+    from ...kernels import numba_installed
 
-    if not numba_available():
+    if not numba_installed():
         return None
     if len(node.inputs) < 2 or not isinstance(node.inputs[1], int) or node.inputs[1] not in consts:
         return None
