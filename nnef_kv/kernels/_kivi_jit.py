@@ -505,8 +505,16 @@ def _current_cpu() -> Callable[[], int] | None:
         return None
 
 
+def _allowed_cpus() -> frozenset[int]:
+    """The CPUs this process may run on (empty where that cannot be read: then no helper is moved)."""
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # pragma: no cover - not Linux, or a sandbox refusing the call
+        return frozenset()
+
+
 _getcpu = _current_cpu() if hasattr(os, "sched_setaffinity") else None
-_allowed = frozenset(os.sched_getaffinity(0)) if _getcpu is not None else frozenset()
+_allowed = _allowed_cpus() if _getcpu is not None else frozenset()
 _pinned = threading.local()
 
 
