@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from nnef_kv.cli import main
-from nnef_kv.validate.autobits import AutoBitsResult, Candidate, _refine, _setting, _units, knapsack
+from nnef_kv.validate.autobits import (LADDERS, AutoBitsResult, Candidate, _next_levels, _refine, _refine_all, _setting,
+                                      _units, knapsack)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "tests" / "fixtures" / "trained_llama" / "model.nnef.tgz"
@@ -164,3 +165,79 @@ def test_refinement_exchanges_when_no_step_down_fits():
     assert any("one unit down and one up" in c.label for c in res.rounds)
     best = min([c for c in res.rounds if c.kl <= target], key=lambda c: (c.kv_bytes, c.kl))
     assert [k for k, _ in best.setting] == [5, 4] and best.kv_bytes == 9 and best.kl <= target
+
+
+def test_ggml_ladder_holds_iq4_nl_beside_q4_0():
+    """llama.cpp's iq4_nl takes q4_0's bytes (18 a block of 32) with another codebook: both are rungs, the
+    cheapest pair, so that a unit can take either."""
+    from nnef_kv.kv.ggml import BLOCK_BYTES
+
+    lad = LADDERS["ggml"]
+    assert "iq4_nl" in lad and [BLOCK_BYTES[t] for t in lad] == sorted(BLOCK_BYTES[t] for t in lad)
+
+
+def test_next_levels_offer_every_kind_of_the_nearest_size():
+    ladder = ("q4_0", "iq4_nl", "q4_1", "q8_0")
+    size = {"q4_0": 18.0, "iq4_nl": 18.0, "q4_1": 20.0, "q8_0": 34.0}
+    ubytes = {(0, s, lv): b for s in (0, 1) for lv, b in size.items()}
+    assert _next_levels((0, 1), "q4_1", ubytes, ladder, -1) == ["q4_0", "iq4_nl"]
+    assert _next_levels((0, 1), "q4_0", ubytes, ladder, -1) == []
+    assert _next_levels((0, 1), "iq4_nl", ubytes, ladder, +1) == ["q4_1"]
+    assert _next_levels((0, 1), "q8_0", ubytes, ladder, +1) == []
+
+
+def test_refinement_steps_down_to_the_better_of_two_same_size_levels():
+    """Values better at q4_0 than at iq4_nl (same bytes): from q4_1 the step down that fits the target is to
+    q4_0, though iq4_nl is the ladder's next rung (the step to it breaks the target)."""
+    ladder, layers, split, target = ("q4_0", "iq4_nl", "q4_1", "q8_0"), 1, True, 0.3
+    units = _units(layers, split)
+    size = {"q4_0": 18.0, "iq4_nl": 18.0, "q4_1": 20.0, "q8_0": 34.0}
+    true = {(0, 0, "q4_0"): 0.5, (0, 0, "iq4_nl"): 0.4, (0, 0, "q4_1"): 0.3, (0, 0, "q8_0"): 0.0,
+            (0, 1, "q4_0"): 0.1, (0, 1, "iq4_nl"): 0.35, (0, 1, "q4_1"): 0.05, (0, 1, "q8_0"): 0.0}
+    ubytes = {(0, s, lv): b for s in (0, 1) for lv, b in size.items()}
+
+    def measure(c):
+        (k, v), = c.setting
+        c.row = _Row(true[(0, 0, k)] + true[(0, 1, v)], size[k] + size[v])
+
+    start = Candidate("start", [("q8_0", "q4_1")])
+    measure(start)
+    res = AutoBitsResult("ggml", {}, target, target, 64, 8, layers, split, ladder, [start], true, [], start, None)
+    _refine(res, lambda cands: [measure(c) for c in cands], true, ubytes, units, ladder, layers, split, target,
+            {tuple(start.setting)})
+    best = min([c for c in res.rounds + [start] if c.kl <= target], key=lambda c: (c.kv_bytes, c.kl))
+    assert best.setting == [("q8_0", "q4_0")] and best.kl <= target
+
+
+def test_refinement_also_descends_from_the_uniform_setting():
+    """When a round's setting is the cheapest within the target, step 6 first descends from the cheapest
+    uniform setting within it (its first candidates are one step from that setting, not from the round's);
+    when the uniform setting is itself the cheapest, only the usual refinement runs (from it)."""
+    ladder, layers, split, target = (4, 5, 8), 2, False, 0.5
+    units = _units(layers, split)
+    true = {(0, 0, 4): 0.3, (0, 0, 5): 0.04, (0, 0, 8): 0.0, (1, 0, 4): 0.15, (1, 0, 5): 0.02, (1, 0, 8): 0.0}
+    ubytes = {(u[0], u[1], lv): float(lv) for u in units for lv in ladder}
+
+    def measure(c):
+        c.row = _Row(sum(true[(layer, 0, k)] for layer, (k, _) in enumerate(c.setting)),
+                     float(sum(k for k, _ in c.setting)))
+
+    for round_levels, descends in (((4, 5), True), ((8, 8), False)):
+        uniform = Candidate("uniform 5", _setting({(0, 0): 5, (1, 0): 5}, layers, split))
+        found = Candidate("round 1", _setting({(0, 0): round_levels[0], (1, 0): round_levels[1]}, layers, split))
+        for c in (uniform, found):
+            measure(c)
+        res = AutoBitsResult("hf", {}, target, target, 64, 8, layers, split, ladder, [uniform], true, [found],
+                             uniform, None)
+        before = len(res.rounds)
+        _refine_all(res, lambda cands: [measure(c) for c in cands], true, ubytes, units, ladder, layers, split,
+                    target, {tuple(uniform.setting), tuple(found.setting)})
+        new = res.rounds[before:]
+        labelled = [c for c in new if c.label.startswith("descent from the uniform setting")]
+        assert bool(labelled) == descends
+        first = new[0]
+        origin = uniform if descends else (found if found.kv_bytes < uniform.kv_bytes else uniform)
+        steps = sum(abs(ladder.index(a[0]) - ladder.index(b[0])) for a, b in zip(first.setting, origin.setting))
+        assert steps == 1 and first.kv_bytes < origin.kv_bytes
+        best = min([c for c in res.rounds + res.uniform if c.kl <= target], key=lambda c: (c.kv_bytes, c.kl))
+        assert best.kv_bytes <= min(uniform.kv_bytes, found.kv_bytes if found.kl <= target else math.inf)
