@@ -335,7 +335,8 @@ def _refine_all(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], f
     uniform setting within it (keys and values may differ), then the refinement from the cheapest of all.
     The descent explores another basin: the first-order model misjudges interactions, and the uniform
     setting's KL slack is often where the per-layer savings are (measured: ggml at context 2048 on the
-    trained fixture, 739,008 bytes from the rounds' start alone, 713,664 with the descent)."""
+    trained fixture, 739,008 bytes without the descent and the nearest-size steps of :func:`_next_levels`,
+    713,664 with both; the descent alone still stopped at 739,008)."""
     pair = min((c for c in res.uniform if c.kl <= target), key=lambda c: (c.kv_bytes, c.kl), default=None)
     if pair is not None and any(c.kl <= target and (c.kv_bytes, c.kl) < (pair.kv_bytes, pair.kl) for c in res.rounds):
         _refine(res, run, dkl, ubytes, units, ladder, layers, split, target, tried, start=pair,
