@@ -421,17 +421,20 @@ def _row_sum(row, n):
 
 
 @njit(**JIT)
-def _softmax_head(sh, lh, sq, is_causal):
+def _softmax_head(sh, lh, keep):
     """The softmax numerators of one head's rows, in place on its scores ``sh [M, T]``, and their sums
-    ``lh [M]``: a causal call's later positions masked (row r is query r % sq of the last sq), the row's
-    max subtracted, :func:`exp_nonpositive`. False (rows left half done) when a row's max is not finite:
-    the reference's rule for that case looks at every head at once, the caller recomputes."""
+    ``lh [M]``: the positions outside ``keep`` masked (:func:`~nnef_kv.kv.common.causal_keep`'s ``[M, T]``
+    bools; an empty array when nothing is masked), the row's max subtracted, :func:`exp_nonpositive`. False
+    (rows left half done) when a row's max is not finite: the reference's rule for that case looks at every
+    head at once, the caller recomputes."""
     m_rows, total = sh.shape
+    masked = keep.shape[0] > 0
     for m in range(m_rows):
         row = sh[m]
-        if is_causal and sq > 1:
-            for t in range(total - sq + m % sq + 1, total):
-                row[t] = -np.inf
+        if masked:
+            for t in range(total):
+                if not keep[m, t]:
+                    row[t] = -np.inf
         mx = np.float32(-np.inf)
         nan = False
         for t in range(total):
@@ -447,12 +450,12 @@ def _softmax_head(sh, lh, sq, is_causal):
 
 
 @njit(**JIT)
-def _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
-                is_causal, s, ls, out, bad):
+def _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, keep,
+                s, ls, out, bad):
     """All of kv head h in one call: its scores into s[h], their softmax, its outputs into out[h]
     (bad[h] = 1 instead when a row's max is not finite)."""
     _scores_heads(h, h + 1, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
-    if not _softmax_head(s[h], ls[h], sq, is_causal):
+    if not _softmax_head(s[h], ls[h], keep):
         bad[h] = 1
         return
     _outputs_heads(h, h + 1, s, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
@@ -460,23 +463,27 @@ def _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vc
 
 @njit(**JIT)
 def _fused_claim(counter, n, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv,
-                 sq, is_causal, s, ls, out, bad):
+                 keep, s, ls, out, bad):
     """Heads claimed one at a time from the shared ``counter`` (:func:`fetch_add`) until none is left: the
     body of every thread of a decode step, one nogil call each (no GIL taken between heads)."""
     while True:
         h = fetch_add(counter)
         if h >= n:
             return
-        _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
-                    is_causal, s, ls, out, bad)
+        _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, keep,
+                    s, ls, out, bad)
 
 
 @njit(parallel=True, cache=True, nogil=True, error_model="numpy")
-def _fused_prange(n, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
-                  is_causal, s, ls, out, bad):
+def _fused_prange(n, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, keep,
+                  s, ls, out, bad):
     for h in prange(n):
-        _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, sq,
-                    is_causal, s, ls, out, bad)
+        _fused_head(h, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, keep,
+                    s, ls, out, bad)
+
+
+#: the fused cores' ``keep`` when nothing is masked (one array type for numba, so one compiled version)
+_NO_MASK = np.ones((0, 0), np.bool_)
 
 
 # ================================================================================== threads
@@ -770,8 +777,9 @@ def _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv,
     ls = np.empty((n, m), np.float32)
     out = np.empty((n, m, d), np.float32)
     bad = np.zeros(n, np.uint8)
-    args = (qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv, int(sq),
-            bool(is_causal), s, ls, out, bad)
+    keep = causal_keep(total, m, sq, is_causal)
+    args = (qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, sv, vcodes, vmin, vstep, vg, rv,
+            _NO_MASK if keep is None else keep, s, ls, out, bad)
     if nth > 1 and PARALLEL == "prange":
         import numba
 
@@ -793,17 +801,17 @@ def _decode(q, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv,
                 f.result()
     if bad.any():
         return _decode_numpy_softmax(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, bits,
-                                     kg, vg, sq, is_causal, s)
+                                     kg, vg, keep, s)
     return out
 
 
-def _decode_numpy_softmax(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, bits, kg, vg, sq,
-                          is_causal, s) -> np.ndarray:
+def _decode_numpy_softmax(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vstep, tq, rk, rv, nr, bits, kg, vg, keep,
+                          s) -> np.ndarray:
     """Scores of every position, the reference's softmax in NumPy over all heads at once
     (:func:`softmax_numerators`: its rule for rows whose max is not finite), then the outputs; one thread."""
     n, m, d = qs.shape
     _scores_heads(0, n, qs, sk, ns, kcodes, kmin, kstep, bits, kg, tq, rk, nr, s)
-    p = softmax_numerators(s, causal_keep(s.shape[2], m, sq, is_causal))
+    p = softmax_numerators(s, keep)
     ls = p.sum(axis=-1)
     out = np.empty((n, m, d), np.float32)
     _outputs_heads(0, n, p, ls, sv, ns, vcodes, vmin, vstep, bits, kg, vg, tq, rv, nr, out)
