@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import math
 import sys
 import time
 from pathlib import Path
@@ -24,7 +25,7 @@ sys.path.insert(0, str(ROOT))
 
 from auto_bits import common_args, load_inputs  # noqa: E402  (this script's folder is on sys.path)
 
-from nnef_kv.validate.autobits import _layers, _spec, auto_bits  # noqa: E402
+from nnef_kv.validate.autobits import Candidate, _layers, _spec, auto_bits  # noqa: E402
 from nnef_kv.validate.compare import job_steps, prepare, run_job, worker_died  # noqa: E402
 from nnef_kv.validate.jobs import run_tasks  # noqa: E402
 
@@ -64,13 +65,9 @@ def main() -> None:
                                 steps=job_steps(copts, job.contexts), show_progress=False, on_error=worker_died)
         memo.update((sp.kwargs["layer_bits"], row) for sp, row in zip(todo, rows))
     t_grid = time.perf_counter() - t0
-    measured = []
-    for sp in specs:
-        row = memo[sp.kwargs["layer_bits"]]
-        f = row.per_context[-1] if row.status == "measured" and row.per_context else {}
-        if f.get("kl_mean") is not None:
-            measured.append((f["kv_bytes"], f["kl_mean"], sp.kwargs["layer_bits"]))
-    within = sorted(m for m in measured if m[1] <= bu.kl)
+    grid = [Candidate(sp.kwargs["layer_bits"], s, memo[sp.kwargs["layer_bits"]]) for sp, s in zip(specs, settings)]
+    measured = [c for c in grid if math.isfinite(c.kl)]
+    within = sorted((c.kv_bytes, c.kl, c.label) for c in measured if c.kl <= bu.kl)
 
     def line(what: str, b: float, kl: float, bits: str) -> str:
         return f"| {what} | {bits} | {int(b):,} | {kl:.3g} | {100 * (1 - b / bu.kv_bytes):.1f}% |"

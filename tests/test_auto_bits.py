@@ -112,6 +112,15 @@ class _Row:
         self.per_context = [{"kl_mean": kl, "kv_bytes": kv_bytes}]
 
 
+def _additive(true: dict):
+    """A synthetic one-width model (keys and values at one level a layer, levels counted as bytes): a
+    setting's KL is the sum of its layers' ``true`` costs."""
+    def measure(c):
+        c.row = _Row(sum(true[(layer, 0, k)] for layer, (k, _) in enumerate(c.setting)),
+                     float(sum(k for k, _ in c.setting)))
+    return measure
+
+
 @pytest.mark.parametrize("pessimism", [1.0, 2.0, 4.0])
 def test_refinement_spends_the_kl_the_first_order_model_leaves(pessimism):
     """A synthetic 3-layer model whose measured KL adds the units' true costs, given a sensitivity table
@@ -152,9 +161,7 @@ def test_refinement_exchanges_when_no_step_down_fits():
     true = {(0, 0, 4): 0.5, (0, 0, 5): 0.1, (0, 0, 8): 0.0, (1, 0, 4): 0.2, (1, 0, 5): 0.1, (1, 0, 8): 0.0}
     ubytes = {(u[0], u[1], lv): float(lv) for u in units for lv in ladder}
 
-    def measure(c):
-        c.row = _Row(sum(true[(layer, 0, k)] for layer, (k, _) in enumerate(c.setting)),
-                     float(sum(k for k, _ in c.setting)))
+    measure = _additive(true)
 
     start = Candidate("start", _setting({(0, 0): 4, (1, 0): 8}, layers, split))
     measure(start)
@@ -218,9 +225,7 @@ def test_refinement_also_descends_from_the_uniform_setting():
     true = {(0, 0, 4): 0.3, (0, 0, 5): 0.04, (0, 0, 8): 0.0, (1, 0, 4): 0.15, (1, 0, 5): 0.02, (1, 0, 8): 0.0}
     ubytes = {(u[0], u[1], lv): float(lv) for u in units for lv in ladder}
 
-    def measure(c):
-        c.row = _Row(sum(true[(layer, 0, k)] for layer, (k, _) in enumerate(c.setting)),
-                     float(sum(k for k, _ in c.setting)))
+    measure = _additive(true)
 
     for round_levels, descends in (((4, 5), True), ((8, 8), False)):
         uniform = Candidate("uniform 5", _setting({(0, 0): 5, (1, 0): 5}, layers, split))

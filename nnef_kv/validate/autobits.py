@@ -421,7 +421,8 @@ def _next_levels(u: tuple[int, int], level: Any, ubytes: dict[tuple[int, int, An
 def _exchanges(levels: dict[tuple[int, int], Any], kl: float, cost: Any, ubytes: dict[tuple[int, int, Any], float],
                units: list[tuple[int, int]], ladder: tuple[Any, ...], layers: int, split: bool, target: float,
                tried: set[tuple]) -> list[list[tuple[Any, Any]]]:
-    """Settings one exchange from ``levels``: unit ``a`` one ladder step down, unit ``b`` one step up, holding
+    """Settings one exchange from ``levels``: unit ``a`` one step down, unit ``b`` one step up (to the nearest
+    sizes: :func:`_next_levels`), holding
     no more bytes and predicted within the target (a move of equal bytes only if it lowers the predicted KL:
     it frees KL for later steps down). Most bytes saved first, then the lowest predicted KL; the settings
     already measured are left out."""
