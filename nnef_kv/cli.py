@@ -28,7 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .cli_io import CliError, existing_path as _existing_path, int_at_least as _int_at_least  # noqa: F401
-from .cli_run import cmd_run  # the run command (nnef_kv/cli_run.py)
+from .cli_run import ASSERT_TOLERANCE, cmd_run  # the run command (nnef_kv/cli_run.py)
 from .cli_io import output_folder, output_model, parse_contexts as _parse_contexts, parse_ids as _parse_ids
 from .errors import NnefKvError, clip
 from .limits import Limits, current_limits, using_limits
@@ -360,6 +360,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--inputs", required=True, help=".npz of inputs (NAME or NAME@STEP keys)")
     sp.add_argument("-o", "--output", help="write outputs to this .npz")
     sp.add_argument("--steps", type=int, help="number of runs (default: 1 + the largest @STEP)")
+    sp.add_argument("--assert", dest="assert_tol", type=float, nargs="?", const=ASSERT_TOLERANCE, default=None,
+                    metavar="TOL", help="exit 1 when an output differs from its expected value in --inputs by more "
+                    f"than TOL (max |difference|; TOL omitted: {ASSERT_TOLERANCE:g}), as tract's "
+                    "--assert-output-bundle")
     sp.add_argument("--allow-float-casts", action="store_true",
                     help="cast float inputs to the float type the graph declares (e.g. f32 test io for an f16 archive)")
 

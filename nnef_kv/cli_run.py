@@ -24,7 +24,7 @@ import numpy as np
 from .cli_io import CliError, existing_path, int_at_least, output_file
 from .errors import NnefKvError
 
-EXIT_OK, EXIT_USAGE, EXIT_INTERRUPTED = 0, 2, 130
+EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
 @dataclass
@@ -129,14 +129,34 @@ def _stats(a: np.ndarray) -> str:
     return line
 
 
-def _compare(a: np.ndarray, e: np.ndarray) -> str:
+def _compare(a: np.ndarray, e: np.ndarray) -> tuple[str, float]:
+    """The text after an output's stats, and its max |difference| from the expected value (inf when the shapes
+    differ or a NaN is where the other holds none)."""
     if e.shape != a.shape:
-        return f" | npz has shape {list(e.shape)}"
+        return f" | npz has shape {list(e.shape)}", float("inf")
     if not a.size:
-        return " | max|diff| vs npz 0"
+        return " | max|diff| vs npz 0", 0.0
+    af, ef = a.astype(np.float64), e.astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.abs(a.astype(np.float64) - e.astype(np.float64))
-    return f" | max|diff| vs npz {float(np.max(diff)):.3g}"
+        diff = np.abs(af - ef)
+    same = (af == ef) | (np.isnan(af) & np.isnan(ef))  # equal infinities and NaN against NaN are no difference
+    diff = np.where(same, 0.0, np.where(np.isnan(diff), np.inf, diff))
+    worst = float(np.max(diff))
+    return f" | max|diff| vs npz {worst:.3g}", worst
+
+
+#: ``--assert`` with no value: the largest |difference| allowed (tract's --assert-output-bundle compares f32 outputs
+#: with a tolerance of the same order)
+ASSERT_TOLERANCE = 1e-4
+
+
+def _check_assert(tol: float, keys: Keys, outputs: list[str], steps: int, npz_path: Path) -> None:
+    """``--assert TOL``: a finite number >= 0, and an expected value in the ``.npz`` for at least one step."""
+    if not (np.isfinite(tol) and tol >= 0):
+        raise CliError(f"--assert {tol}: the tolerance must be a finite number >= 0")
+    if not keys.exp_common and not any(k < steps for k in keys.exp_per):
+        raise CliError(f"--assert: --inputs {npz_path} holds no expected output for the steps run (keys named like "
+                       f"an output: {', '.join(outputs[:4])}{', ...' if len(outputs) > 4 else ''})")
 
 
 def _float_casts(feed: dict[str, Any], session: Any, casted: set[str], allowed: bool, where: Path) -> dict[str, Any]:
@@ -186,6 +206,8 @@ def cmd_run(args: argparse.Namespace) -> int:
             if k is not None:
                 raise CliError(f"--inputs {npz_path}: no value for input '{name}' at step {k} (keys '{name}' or "
                                f"'{name}@{k}')")
+        if getattr(args, "assert_tol", None) is not None:
+            _check_assert(args.assert_tol, keys, outputs, steps, npz_path)
         problem = _positions_problem(session, npz, keys, steps, feedback, "--steps")
         if problem is not None:
             raise CliError(problem)
@@ -210,6 +232,8 @@ def _steps(args: Any, src: Path, npz: Any, npz_path: Path, session: Any, keys: K
 
     written = 0
     k = 0
+    tol = getattr(args, "assert_tol", None)
+    failed: list[str] = []
     casted: set[str] = set()
     prev: dict[str, Any] = {}
     target = atomic_write(out_path) if out_path is not None else contextlib.nullcontext(None)
@@ -237,7 +261,10 @@ def _steps(args: Any, src: Path, npz: Any, npz_path: Path, session: Any, keys: K
                         a = np.asarray(arr)
                         line = f"step {k} {name}: {_stats(a)}"
                         if name in expected:
-                            line += _compare(a, value(expected[name], name in keys.exp_common))
+                            text, worst = _compare(a, value(expected[name], name in keys.exp_common))
+                            line += text
+                            if tol is not None and not worst <= tol:
+                                failed.append(f"'{name}' at step {k} (max|diff| {worst:.3g})")
                         print(line)
                         if writer is not None:
                             writer.add(name if steps == 1 else f"{name}@{k}", a)
@@ -257,4 +284,10 @@ def _steps(args: Any, src: Path, npz: Any, npz_path: Path, session: Any, keys: K
         return EXIT_INTERRUPTED
     if out_path is not None:
         print(f"wrote {written} arrays to {args.output}")
+    if failed:
+        sys.stdout.flush()
+        more = f" and {len(failed) - 3} more" if len(failed) > 3 else ""
+        print(f"nnef-kv run: --assert {tol:g}: {len(failed)} output(s) differ from --inputs {npz_path}: "
+              f"{', '.join(failed[:3])}{more}", file=sys.stderr)
+        return EXIT_MISMATCH
     return EXIT_OK

@@ -45,6 +45,19 @@ def _npz_header_only(path: Path, shape: tuple[int, ...]) -> None:
         z.writestr("input_ids.npy", hdr.getvalue())
 
 
+def _hub_cache(root: Path, archive: Path) -> None:
+    """The Hugging Face hub cache layout: ``snapshots/<rev>/NAME`` a relative symbolic link to ``blobs/<hash>``."""
+    from nnef_kv.io.container import read_container
+
+    (root / "blobs").mkdir(parents=True)
+    snap = root / "snapshots" / "0123abc"
+    for m in read_container(archive)[1]:
+        blob = hashlib.sha256(bytes(m.data)).hexdigest()
+        (root / "blobs" / blob).write_bytes(bytes(m.data))
+        (snap / m.name).parent.mkdir(parents=True, exist_ok=True)
+        (snap / m.name).symlink_to(os.path.relpath(root / "blobs" / blob, (snap / m.name).parent))
+
+
 def _mknod_char(path: Path) -> bool:
     """A character device like /dev/full (1, 7), made in the test's own folder; False when not permitted."""
     if not ROOT_USER:
@@ -119,6 +132,10 @@ class World:
         nnef_kv.write_tensor(d / "w.dat", np.zeros((4, 4), np.float32))
         np.savez(d / "io.npz", **dict(empty_cache(cfg), input_ids=np.array([[7, 8]], np.int64)))
         np.savez(d / "ids1.npz", input_ids=np.array([[7]], np.int64))
+        feed = dict(empty_cache(cfg), input_ids=np.array([[7, 8]], np.int64))
+        good = build_decoder(cfg).session().run(feed)["outputs"]
+        np.savez(d / "expect_ok.npz", **feed, outputs=good)  # the outputs as computed: --assert passes
+        np.savez(d / "expect_bad.npz", **feed, outputs=good + 100)  # off by 100: --assert fails
         np.savez(d / "x.npz", x=np.array([[np.inf, -np.inf, 1.0, np.nan]], np.float32))
         np.savez(d / "badkey.npz", input_ids=np.zeros((1, 2), np.int64), bogus=np.zeros(2))
         np.savez(d / "badstep.npz", **{"input_ids@x": np.zeros((1, 2), np.int64)})
@@ -138,6 +155,11 @@ class World:
         os.mkfifo(d / "fifo")
         w.has_char = _mknod_char(d / "chr")
         (d / "link_f32.tar").symlink_to(d / "f32.nnef.tar")
+        _hub_cache(d / "hub", d / "f32.nnef.tar")
+        for name, target in (("link_to_fifo", "../fifo"), ("link_to_dir", "../hub"), ("link_dangling", "../nowhere")):
+            (d / name).mkdir()
+            (d / name / "graph.nnef").write_text(PLAIN)
+            (d / name / "w.dat").symlink_to(target)
         w.inputs_snapshot = snapshot(d)
         w.reset_out()
         return w

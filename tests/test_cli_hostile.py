@@ -76,6 +76,14 @@ INSPECT = [
       "[4, 2]", "a reshape that cannot be"),
     C("unknown-op", "inspect {in}/unknownop", 2, "unknownop/graph.nnef:4:7: unknown operation 'frobnicate'",
       "an unknown op"),
+    C("hub-cache", "inspect {in}/hub/snapshots/0123abc", 0, "check: graph built, one run on zeros",
+      "a Hugging Face hub cache snapshot (files linked to ../../blobs)"),
+    C("link-fifo", "inspect {in}/link_to_fifo", 2, "link_to_fifo: member 'w.dat' is a symbolic link to not a regular "
+      "file", "a model folder linking a file to a FIFO"),
+    C("link-dir", "inspect {in}/link_to_dir", 2, "link_to_dir: member 'w.dat' is a symbolic link to a folder",
+      "a model folder linking a file to a folder"),
+    C("link-dangling", "inspect {in}/link_dangling", 2, "link_dangling: member 'w.dat' is a symbolic link that does "
+      "not resolve", "a model folder with a dangling link"),
     C("no-check", "inspect {in}/badadd --no-check", 0, "operations: 3 invocations", "--no-check: text summary only"),
     C("ok", "inspect {in}/f32.nnef.tar", 0, "check: graph built, one run on zeros of the declared inputs (S=1, P=1): "
       "ok", "a good archive"),
@@ -184,6 +192,17 @@ RUN = [
       "--steps past the model's positions"),
     C("steps-streamed", "run {in}/dyn.nnef.tar --inputs {in}/ids1.npz --steps 3 -o {out}/s.npz", 0,
       "step 2 outputs: float32 [1, 1, 256]", "three steps, -o streamed", changed=("s.npz",), check=_is_npz("s.npz")),
+    C("assert-mismatch", "run {in}/f32.nnef.tar --inputs {in}/expect_bad.npz --assert", 1, "--assert 0.0001: 1 "
+      "output(s) differ from --inputs {in}/expect_bad.npz: 'outputs' at step 0 (max|diff| 100)",
+      "--assert with expected outputs off by 100"),
+    C("assert-tol", "run {in}/f32.nnef.tar --inputs {in}/expect_bad.npz --assert 101", 0, "max|diff| vs npz 100",
+      "--assert 101: a difference of 100 within it"),
+    C("assert-ok", "run {in}/f32.nnef.tar --inputs {in}/expect_ok.npz --assert", 0, "max|diff| vs npz 0",
+      "--assert with the outputs as computed"),
+    C("assert-nothing", "run {in}/f32.nnef.tar --inputs {in}/io.npz --assert", 2, "--assert: --inputs {in}/io.npz "
+      "holds no expected output", "--assert on an npz of inputs only"),
+    C("assert-nan", "run {in}/f32.nnef.tar --inputs {in}/expect_ok.npz --assert nan", 2, "--assert nan: the "
+      "tolerance must be a finite number >= 0", "--assert nan"),
     C("inf-counted", "run {in}/plain.nnef.tar --inputs {in}/x.npz", 0, "step 0 y: float32 [1, 4] min 0 max 1 "
       "mean 0.333333 NaN 0 Inf 1", "inputs holding inf and NaN: both counted"),
 ]
