@@ -192,8 +192,11 @@ def test_symlink_in_folder(tmp_path: Path) -> None:
     d = tmp_path / "model"
     d.mkdir()
     (d / "graph.nnef").write_bytes(GRAPH)
-    (d / "w.dat").symlink_to("/etc/passwd")
-    refused(lambda: nnef_kv.load(d), ArchiveError, "member 'w.dat' is a symbolic link")
+    (d / "w.dat").symlink_to("/etc/passwd")  # followed (a regular file), read as a .dat: refused as one
+    refused(lambda: nnef_kv.load(d), nnef_kv.NnefKvError, "w.dat: not an NNEF tensor file")
+    (d / "w.dat").unlink()
+    (d / "w.dat").symlink_to(tmp_path)
+    refused(lambda: nnef_kv.load(d), ArchiveError, "member 'w.dat' is a symbolic link to a folder")
 
 
 @pytest.mark.parametrize("gz", [False, True], ids=["tar", "tgz"])

@@ -137,8 +137,13 @@ def read_container(path: str | os.PathLike, limits: Limits | None = None) -> tup
 
 
 def _map_file(path: Path) -> Buffer:
-    with open(path, "rb") as f:
-        if os.fstat(f.fileno()).st_size == 0:
+    # non-blocking: a link changed into a FIFO after it was checked must not hang the open; checked again here
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    with open(fd, "rb") as f:
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            raise OSError(f"{path}: no longer a regular file")
+        if st.st_size == 0:
             return b""
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
 
@@ -158,12 +163,13 @@ def _read_dir(root: Path, limits: Limits) -> list[Member]:
                 continue  # tract ignores hidden components
             name = prefix + entry.name
             budget.member(name)
-            if entry.is_symlink():
-                raise ArchiveError(f"{where}: member {name!r} is a symbolic link")
-            if entry.is_dir(follow_symlinks=False):
+            if entry.is_symlink():  # followed to a regular file (HF hub cache: ../../blobs/*)
+                st = _link_target(entry, name, where)
+            elif entry.is_dir(follow_symlinks=False):
                 walk(Path(entry.path), name + "/")
                 continue
-            st = entry.stat(follow_symlinks=False)
+            else:
+                st = entry.stat(follow_symlinks=False)
             if not stat.S_ISREG(st.st_mode):
                 raise ArchiveError(f"{where}: member {name!r} is not a regular file")
             _member_limit(name, st.st_size, limits, where)
@@ -175,6 +181,22 @@ def _read_dir(root: Path, limits: Limits) -> list[Member]:
 
     walk(root, "")
     return out
+
+
+def _link_target(entry: os.DirEntry, name: str, where: str) -> os.stat_result:
+    """The status of what a folder member's symbolic link points to: followed when it is a regular file (tar
+    members are never followed: :func:`_check_tarinfo`); a dangling link, a loop, a folder or a special file is
+    refused."""
+    try:
+        st = os.stat(entry.path)
+    except OSError:
+        raise ArchiveError(f"{where}: member {name!r} is a symbolic link that does not resolve "
+                           f"(to {os.readlink(entry.path)!r})") from None
+    if not stat.S_ISREG(st.st_mode):
+        kind = "a folder" if stat.S_ISDIR(st.st_mode) else "not a regular file"
+        raise ArchiveError(f"{where}: member {name!r} is a symbolic link to {kind} ({os.path.realpath(entry.path)}); "
+                           f"only links to regular files are followed")
+    return st
 
 
 def _check_tarinfo(ti: tarfile.TarInfo, where: str) -> bool:
