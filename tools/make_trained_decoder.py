@@ -9,6 +9,7 @@ Two steps (torch only for the first):
 
     /work/hf-venv/bin/python tools/make_trained_decoder.py train OUT.npz   # transformers LlamaForCausalLM
     python tools/make_trained_decoder.py build OUT.npz tests/fixtures/trained_llama
+    python tools/make_trained_decoder.py tokenizer tests/fixtures/trained_llama*   # tokenizer.json only
 
 ``--layers N`` (before the step; default 4) trains and builds the same model with N layers
 (``--layers 8`` builds a model named ``trained_llama8``); ``--seq N --batch N
@@ -24,7 +25,15 @@ held out. ``build``: the weights into :func:`nnef_kv.models.build_decoder_text` 
 rotate-half RoPE as HF's LLaMA), written with :func:`nnef_kv.save`, with the byte-level tokenizer and
 the config; the script checks nnef-kv's logits against the PyTorch ones saved by ``train`` and writes the
 PyTorch reference (the 512 held-out bytes, their last-position logits) as ``reference.npz``
-(``tests/test_trained_fixtures.py`` checks the archive against it).
+(``tests/test_trained_fixtures.py`` checks the archive against it). ``tokenizer DIR...``: rewrites only
+``DIR/tokenizer.json``.
+
+The tokenizer (:func:`byte_id_tokenizer`) maps byte ``b`` to id ``b``, the ids the model was trained on
+(``np.frombuffer(text, np.uint8)``): a byte-level BPE without merges whose vocabulary gives the
+byte-level character of byte ``b`` the id ``b``. It is not :func:`nnef_kv.text.byte_level_tokenizer`,
+which lists the bytes in GPT-2's vocabulary order ('A' -> 32, ' ' -> 220: the order of the shared
+fixture exports' vocabulary); the fixtures shipped with that one until issue 21, and every text fed to
+them was scrambled (reference perplexity 320-884 on the sample text, worse than uniform over 256 ids).
 """
 from __future__ import annotations
 
@@ -114,13 +123,44 @@ def train(out: str) -> None:
                                 "_train": np.array([seq, batch, steps])})
 
 
+def byte_id_tokenizer():
+    """A ``tokenizers.Tokenizer`` whose id of each byte is the byte: ``encode(text).ids`` is
+    ``list(text.encode("utf-8"))`` and ``decode`` gives the text back."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+    # the byte-level pre-tokenizer turns each byte into one printable character (GPT-2's map): bytes
+    # '!'..'~', 0xa1..0xac and 0xae..0xff are their own character, the other 68 chr(256 + n) in byte order
+    chars = pre_tokenizers.ByteLevel.alphabet()
+    own = {*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAD), *range(0xAE, 0x100)}
+    char_of, n = {}, 0
+    for b in range(256):
+        if b in own:
+            char_of[b] = chr(b)
+        else:
+            char_of[b] = chr(256 + n)
+            n += 1
+    assert set(char_of.values()) == set(chars), "the byte-level alphabet is not GPT-2's"
+    tok = Tokenizer(models.BPE(vocab={char_of[b]: b for b in range(256)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    probe = bytes(range(256)).decode("latin-1") + " We hold these truths \u00e9\u2014"
+    assert tok.encode(probe).ids == list(probe.encode("utf-8")), "the tokenizer does not give id = byte"
+    return tok
+
+
+def write_tokenizer(out_dir: str | Path) -> Path:
+    """``out_dir/tokenizer.json``: :func:`byte_id_tokenizer`."""
+    p = Path(out_dir) / "tokenizer.json"
+    p.write_text(byte_id_tokenizer().to_str())
+    return p
+
+
 def build(npz: str, out_dir: str) -> None:
     import numpy as np
 
     import nnef_kv
     from nnef_kv.io.archive import Model
     from nnef_kv.models import DecoderConfig, build_decoder_text
-    from nnef_kv.text import byte_level_tokenizer
 
     z = np.load(npz)
     n = _layers()
@@ -142,7 +182,7 @@ def build(npz: str, out_dir: str) -> None:
     d = Path(out_dir)
     d.mkdir(parents=True, exist_ok=True)
     nnef_kv.save(model, d / "model.nnef.tgz")
-    (d / "tokenizer.json").write_text(byte_level_tokenizer().to_str())
+    write_tokenizer(d)
     np.savez(d / "reference.npz", ids=ids.astype(np.uint8), last_logits=z["_ref_logits"][-1].astype(np.float32))
     (d / "config.json").write_text(json.dumps({**cfg.to_dict(), "heldout_nll_nats_per_byte": float(z["_heldout_nll"]),
                                                "train": {"steps": steps, "batch": batch, "seq": seq, "lr": LR}},
@@ -154,5 +194,8 @@ if __name__ == "__main__":
     args = [a for i, a in enumerate(sys.argv[1:], 1) if a not in OPTIONS and sys.argv[i - 1] not in OPTIONS]
     if args[0] == "train":
         train(args[1])
+    elif args[0] == "tokenizer":
+        for a in args[1:]:
+            print(f"wrote {write_tokenizer(a)}")
     else:
         build(args[1], args[2])
