@@ -291,7 +291,8 @@ def test_report_files(tmp_path, text_ref, source) -> None:
             "full_precision_tokens", "kv_bytes", "kv_bytes_f32"}
     for c in data["contexts"]:
         assert keys <= set(c)
-        assert len(c["per_token"]["kl"]) == 16 and len(c["per_token"]["attention_deviation"][0]) == TEXT_CFG.layers
+        assert len(c["per_token"]["kl"]) == 16 * c["windows"] == c["predictions"]
+        assert len(c["per_token"]["attention_deviation"][0]) == TEXT_CFG.layers
     md = (tmp_path / "rep" / "report.md").read_text()
     assert "**Verdict: PASS**" in md and "## context 200" in md and "Mean KLD" in md
     assert (tmp_path / "rep" / "report.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -310,7 +311,8 @@ def test_shared_fixture_decoders_at_8_4_2_bits(name, source) -> None:
         rep = validate_model(_kivi(ref, bits, key_group=16, value_group=16, residual=16), ref, source, opts)
         s = rep.contexts[0].summary()
         assert rep.ok and s["quantized_tokens"] > 0
-        assert s["tokens_reading_quantized"] == 31  # all but the prefill's own prediction (full precision)
+        # all but each window's prefill prediction (read in full precision)
+        assert s["tokens_reading_quantized"] == 31 * s["windows"]
         kl.append(s["kl_mean"])
     assert kl[0] < kl[1] < kl[2] and kl[0] < 1e-4
 
@@ -346,7 +348,7 @@ def test_export_with_its_own_tokenizer_through_the_api(tmp_path) -> None:
         (res,) = rep.contexts
         assert res.context == 256 - 32 and rep.verdict == "measured"  # S+P < 256: 224 + 32 - 1 = 255 positions
         s = res.summary()
-        assert s["quantized_tokens"] == 192 and s["tokens_reading_quantized"] == 31
+        assert s["quantized_tokens"] == 192 and s["tokens_reading_quantized"] == 31 * s["windows"]
         kl.append(s["kl_mean"])
     assert kl[0] < kl[1] < kl[2] and kl[0] < 1e-4
 

@@ -9,7 +9,22 @@ from typing import Any, Sequence
 from ..errors import InputError
 from .runner import ValidateOptions, ValidationReport, validate_model
 
-__all__ = ["validate"]
+__all__ = ["validate", "tokenizer_beside"]
+
+
+def tokenizer_beside(tokenizer: Any, archive: str | None, reference: str | None, needed: bool) -> tuple[Any, str]:
+    """The tokenizer to use: the one given, else none (found beside the archive by ``token_source``), else the
+    one beside the reference (the export's folder) when none is beside the archive; and a note saying so."""
+    if tokenizer is not None or not needed or reference is None:
+        return tokenizer, ""
+    from ..text import find_tokenizer
+
+    if archive is not None and find_tokenizer(archive) is not None:
+        return None, ""
+    found = find_tokenizer(reference)
+    if found is None:
+        return None, ""
+    return found, f"tokenizer found next to the reference: {found}"
 
 
 def _model(x: Any, what: str) -> tuple[Any, str | None]:
@@ -26,7 +41,8 @@ def _model(x: Any, what: str) -> tuple[Any, str | None]:
 
 def validate(archive: Any, reference: Any = None, *, text: str | os.PathLike | None = None, prompt: str | None = None,
              ids: str | os.PathLike | Sequence[int] | None = None, tokenizer: Any = None,
-             contexts: Sequence[int] | None = None, eval_tokens: int = 64, chunk: int | None = None,
+             contexts: Sequence[int] | None = None, eval_tokens: int | None = None, windows: int | None = None,
+             windows_seed: int = 0, chunk: int | None = None,
              max_kl: float | None = None, min_token_agreement: float | None = None,
              max_ppl_ratio: float | None = None, max_attention_deviation: float | None = None,
              parity: bool = True, parity_atol: float | None = None, parity_rtol: float | None = None,
@@ -40,8 +56,11 @@ def validate(archive: Any, reference: Any = None, *, text: str | os.PathLike | N
     from ..text import SAMPLE_TEXT, token_source
     from .report import write_report
 
+    if contexts is not None and (isinstance(contexts, (str, bytes, int)) or not hasattr(contexts, "__iter__")):
+        raise InputError(f"contexts={contexts!r}: a list of context lengths is expected (e.g. contexts=[128, 512])")
     options = ValidateOptions(contexts=list(contexts) if contexts is not None else None, eval_tokens=eval_tokens,
-                              chunk=chunk, max_kl=max_kl, min_token_agreement=min_token_agreement,
+                              windows=windows, windows_seed=windows_seed, chunk=chunk, max_kl=max_kl,
+                              min_token_agreement=min_token_agreement,
                               max_ppl_ratio=max_ppl_ratio, max_attention_deviation=max_attention_deviation,
                               parity=parity, parity_atol=parity_atol, parity_rtol=parity_rtol,
                               allow_different_weights=allow_different_weights).check()
@@ -53,7 +72,11 @@ def validate(archive: Any, reference: Any = None, *, text: str | os.PathLike | N
     if text is None and prompt is None and ids is None:
         text = SAMPLE_TEXT
         note = f"no text given: the sample text shipped with nnef-kv ({SAMPLE_TEXT.name})"
+    ref_path = os.fspath(reference) if isinstance(reference, (str, os.PathLike)) else None
+    tokenizer, tok_note = tokenizer_beside(tokenizer, path, ref_path, text is not None or prompt is not None)
     source = token_source(text=text, prompt=prompt, ids=ids, tokenizer=tokenizer, archive=path)
+    if tok_note:
+        source.notes.append(tok_note)
     if note:
         source.notes.insert(0, note)
     rep = validate_model(model, ref, source, options, path=path)

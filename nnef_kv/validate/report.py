@@ -80,36 +80,59 @@ def _pm(v: Any, e: Any, spec: str = ".4g", scale: float = 1.0, unit: str = "") -
     return s
 
 
+def _ci(v: Any, ci: Any, spec: str = ".4g", scale: float = 1.0, unit: str = "") -> str:
+    """``value [low, high]`` (the 95% interval), llama.cpp's ``±`` style replaced by the interval itself."""
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    s = format(v * scale, spec) + unit
+    if ci and all(isinstance(x, (int, float)) and math.isfinite(x) for x in ci):
+        s += f"  [{format(ci[0] * scale, spec)}, {format(ci[1] * scale, spec)}]{unit}"
+    return s
+
+
+def _pct(x: Any, p: str) -> str:
+    return _g(x) if x is not None else f"- (too few predictions for {p})"
+
+
 def format_summary(s: dict[str, Any]) -> list[tuple[str, str]]:
-    """A context's figures as (label, value) rows, llama.cpp ``perplexity --kl-divergence`` style."""
+    """A context's figures as (label, value) rows, llama.cpp ``perplexity --kl-divergence`` style, each mean
+    with its 95% interval (block bootstrap over windows and blocks of tokens: :mod:`.statistics`)."""
+    k, n = s.get("windows", 1), s["eval_tokens"]
+    where = (f"tokens {s['context']}..{s['context'] + n - 1}" if k == 1 and s.get("window_starts") == [s["context"]]
+             else f"text tokens from {', '.join(map(str, s.get('window_starts', [])))}")
     rows = [
         (
             "positions",
             f"{s['context']} prefilled"
             + (f" in chunks of {s['chunk']}" if s["chunk"] else " in one call")
-            + f", then {s['eval_tokens']} predictions (tokens {s['context']}..{s['context'] + s['eval_tokens'] - 1})",
-        )
+            + f", then {n} predictions, in {k} window(s) ({where})",
+        ),
+        ("predictions behind the figures", f"{s['predictions']}"
+         + (f" ({s['nonfinite_predictions']} left out: NaN or Inf logits)" if s.get("nonfinite_predictions") else "")
+         + (f"; 95% intervals: block bootstrap over {s['bootstrap_blocks']} blocks" if s.get("bootstrap_blocks")
+            else "")),
     ]
     if "kl_mean" in s:
         rows += [
-            ("Mean PPL(Q)", _pm(s["ppl"], s["ppl_stderr"])),
+            ("Mean PPL(Q)", _ci(s["ppl"], s.get("ppl_ci95"))),
             ("Mean PPL(base)", _pm(s["ppl_reference"], s["ppl_reference_stderr"])),
-            ("Mean ln(PPL(Q)/PPL(base))", _pm(s["ln_ppl_ratio"], s["ln_ppl_ratio_stderr"])),
-            ("Mean PPL(Q)/PPL(base)", _g(s["ppl_ratio"])),
-            ("Mean KLD", _pm(s["kl_mean"], s["kl_mean_stderr"])),
+            ("Mean ln(PPL(Q)/PPL(base))", _ci(s["ln_ppl_ratio"], s.get("ln_ppl_ratio_ci95"))),
+            ("Mean PPL(Q)/PPL(base)", _ci(s["ppl_ratio"], s.get("ppl_ratio_ci95"))),
+            ("Mean KLD", _ci(s["kl_mean"], s.get("kl_mean_ci95"))),
             ("Maximum KLD", _g(s["kl_max"])),
-            ("99.9% KLD", _g(s["kl_p99_9"])),
-            ("99.0% KLD", _g(s["kl_p99"])),
-            ("90.0% KLD", _g(s["kl_p90"])),
-            ("Median KLD", _g(s["kl_median"])),
+            ("99.9% KLD", _pct(s["kl_p99_9"], "p99.9")),
+            ("99.0% KLD", _pct(s["kl_p99"], "p99")),
+            ("90.0% KLD", _pct(s["kl_p90"], "p90")),
+            ("Median KLD", _pct(s["kl_median"], "the median")),
             ("Minimum KLD", _g(s["kl_min"])),
             ("RMS Δp", _g(s["rms_dp"] * 100, ".3f") + " %"),
-            ("Same top p", _pm(s["top1_agreement"], s["top1_agreement_stderr"], ".3f", 100, " %")),
+            ("Same top p", _ci(s["top1_agreement"], s.get("top1_agreement_ci95"), ".3f", 100, " %")),
         ]
         att = s.get("attention_deviation")
-        rows.append(("attention deviation (mean / worst)", "-" if not att else f"{att['mean']:.4g} / {att['max']:.4g}"))
+        rows.append(("attention deviation (mean / worst)", "-" if not att else
+                     f"{_ci(att['mean'], att.get('mean_ci95'))} / {att['max']:.4g}"))
     else:
-        rows.append(("Mean PPL(Q)", _pm(s["ppl"], s["ppl_stderr"]) + " (no reference: no KL)"))
+        rows.append(("Mean PPL(Q)", _ci(s["ppl"], s.get("ppl_ci95")) + " (no reference: no KL)"))
     rows += [
         (
             "tokens held quantized / full precision (per KV op)",
@@ -117,7 +140,7 @@ def format_summary(s: dict[str, Any]) -> list[tuple[str, str]]:
         ),
         (
             "evaluated tokens reading quantized entries",
-            f"{s['tokens_reading_quantized']} of {s['eval_tokens']}"
+            f"{s['tokens_reading_quantized']} of {s['predictions'] + s.get('nonfinite_predictions', 0)}"
             + (
                 ""
                 if s["first_quantized_read"] is None
@@ -200,7 +223,7 @@ def render_plot(rep: ValidationReport) -> bytes:
     thr = rep.options.thresholds
     for r, res in enumerate(rep.contexts):
         ax_kl, ax_att = axes[r]
-        pos = np.asarray(res.positions)
+        pos = np.arange(res.n_predictions)  # prediction index: windows one after another
         first = res.first_quantized_read
         tm = res.token_measures()
         if tm is not None:
@@ -222,8 +245,12 @@ def render_plot(rep: ValidationReport) -> bytes:
         else:
             ax_kl.plot(pos, nll_rows(res), ".-", lw=0.8, ms=3, label="NLL of the true token")
             ax_kl.set_ylabel("NLL (nats)")
-        ax_kl.set_xlabel("token position")
-        ax_kl.set_title(f"context {res.context}: per-token divergence", fontsize=9)
+        ax_kl.set_xlabel(f"prediction ({res.windows} window(s) of {res.eval_tokens}, one after another)")
+        sm = res.summary()
+        ci = sm.get("kl_mean_ci95")
+        ax_kl.set_title(f"context {res.context}: per-token divergence; mean KL "
+                        + (f"{sm['kl_mean']:.4g} [{ci[0]:.4g}, {ci[1]:.4g}] (95%), " if ci else "")
+                        + f"{sm['predictions']} predictions", fontsize=9)
         dev = res.attention_deviation()
         if dev is not None:
             for layer in range(dev.shape[1]):
@@ -234,13 +261,15 @@ def render_plot(rep: ValidationReport) -> bytes:
         else:
             ax_att.text(0.5, 0.5, res.attention_note or "no reference: no attention deviation", ha="center",
                         va="center", transform=ax_att.transAxes, fontsize=8, wrap=True)
-        ax_att.set_xlabel("token position")
+        ax_att.set_xlabel("prediction")
         ax_att.set_ylabel("attention deviation (rel. L2)")
         ax_att.set_title(f"context {res.context}: attention deviation per layer", fontsize=9)
         for ax in (ax_kl, ax_att):
             if first is not None:
-                ax.axvline(res.context + first, color="tab:purple", ls="--", lw=1,
-                           label="quantized entries read from here")
+                ax.axvline(first, color="tab:purple", ls="--", lw=1,
+                           label="quantized entries read from here (first window)")
+            for w in range(1, res.windows):
+                ax.axvline(w * res.eval_tokens - 0.5, color="0.6", lw=0.6)
             else:
                 ax.text(0.02, 0.95, "no token read a quantized entry", transform=ax.transAxes, fontsize=8,
                         va="top", color="tab:red")

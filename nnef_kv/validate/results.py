@@ -9,15 +9,22 @@ from typing import Any
 import numpy as np
 
 from ..errors import InputError
-from .metrics import KL_PERCENTILES, mean_stderr, nll_of, rel_l2, summary_stats, token_measures
+from .metrics import KL_PERCENTILES, nll_of, rel_l2, token_measures
 from .roundtrip import RoundTripResult
+from .statistics import Interval, mean_interval, percentile_supported
 
 __all__ = ["ValidateOptions", "Check", "ParityResult", "ContextResult", "Measurement", "ValidationReport",
-           "DEFAULT_CONTEXT_FLOOR", "THRESHOLDS"]
+           "DEFAULT_CONTEXT_FLOOR", "THRESHOLDS", "DEFAULT_EVAL_TOKENS", "DEFAULT_WINDOWS", "MIN_EVAL_TOKENS"]
 
 
 #: the default context is at least this long, and 8 x the KV ops' full-precision window
 DEFAULT_CONTEXT_FLOOR = 256
+#: predictions per window by default (fewer when the model or the text cannot hold them)
+DEFAULT_EVAL_TOKENS = 512
+#: a default context leaves room for at least this many predictions
+MIN_EVAL_TOKENS = 64
+#: disjoint windows of the text by default (fewer when the text cannot hold them)
+DEFAULT_WINDOWS = 4
 #: threshold option -> (report key, "max" or "min", what it bounds)
 THRESHOLDS = {
     "max_kl": ("kl_mean", "max", "mean KL(p_ref || p), nats"),
@@ -29,8 +36,10 @@ THRESHOLDS = {
 
 @dataclass
 class ValidateOptions:
-    contexts: list[int] | None = None  # None: the default (see resolve_contexts)
-    eval_tokens: int = 64
+    contexts: list[int] | None = None  # None: the default (see resolve_plan)
+    eval_tokens: int | None = None  # predictions per window; None: DEFAULT_EVAL_TOKENS, capped (see resolve_plan)
+    windows: int | None = None  # disjoint windows of the text; None: DEFAULT_WINDOWS, as many as the text holds
+    windows_seed: int = 0  # 0: windows spread evenly over the text; another: placed at random by this seed
     chunk: int | None = None  # prefill in calls of this many tokens (None: one call)
     max_kl: float | None = None
     min_token_agreement: float | None = None
@@ -49,11 +58,17 @@ class ValidateOptions:
         def label(k: str) -> str:
             return nm.get(k, k)
 
-        for k in ("eval_tokens", "chunk"):
+        for k in ("eval_tokens", "chunk", "windows"):
             v = getattr(self, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise InputError(f"{label(k)} {v}: must be an integer >= 1")
+        if isinstance(self.windows_seed, bool) or not isinstance(self.windows_seed, (int, np.integer)) \
+                or self.windows_seed < 0:
+            raise InputError(f"{label('windows_seed')} {self.windows_seed!r}: must be an integer >= 0")
         if self.contexts is not None:
+            if isinstance(self.contexts, (str, bytes, int, np.integer)) or not hasattr(self.contexts, "__iter__"):
+                raise InputError(f"{label('contexts')} {self.contexts!r}: a list of context lengths is expected "
+                                 f"(e.g. [128, 512])")
             if not self.contexts:
                 raise InputError(f"{label('contexts')}: no context length given")
             for c in self.contexts:
@@ -112,21 +127,33 @@ class ParityResult:
 
 @dataclass
 class Measurement:
-    """One model on one context: the ``N`` predictions and what the KV ops held."""
+    """One model on one context: the ``N`` predictions of each window (concatenated) and what the KV ops held
+    (after the last window)."""
 
-    logits: np.ndarray  # [N, V] f32
-    attention: list[np.ndarray]  # per attention op: [B, Hq, N, D]
-    reads: np.ndarray  # [N] quantized entries read (the most over KV ops)
+    logits: np.ndarray  # [windows x N, V] f32
+    attention: list[np.ndarray]  # per attention op: [B, Hq, windows x N, D]
+    reads: np.ndarray  # [windows x N] quantized entries read (the most over KV ops)
     census: list[dict[str, Any]]
     kv_bytes: int
     kv_bytes_f32: int
     seconds: float
     kv_bytes_used: int = 0  # what was written: held, less the spare capacity of growing buffers
     logits_dtype: str = "float32"
+    starts: list[int] = field(default_factory=list)  # text index of each window's first prediction
+
+
+def _interval(iv: Interval | None, fn: Any = None) -> list[float] | None:
+    if iv is None:
+        return None
+    return [fn(iv.low), fn(iv.high)] if fn else [iv.low, iv.high]
 
 
 @dataclass
 class ContextResult:
+    """One context: ``eval_tokens`` predictions in each window of ``starts`` (the text index of its first
+    predicted token; the window's prefill is the ``context`` tokens before it). Every figure of
+    :meth:`summary` is also an attribute: ``res.kl_mean``, ``res.kl_mean_ci95``, ``res.predictions``."""
+
     context: int
     eval_tokens: int
     chunk: int | None
@@ -134,29 +161,75 @@ class ContextResult:
     archive: Measurement
     reference: Measurement | None = None
     attention_note: str = ""
+    starts: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not self.starts:
+            self.starts = [self.context]
+        self._cache: dict[str, Any] = {}
+
+    def __getattr__(self, name: str) -> Any:
+        if name.startswith("_") or name in ("context", "eval_tokens", "archive", "reference", "starts"):
+            raise AttributeError(name)
+        s = self.summary()
+        if name in s:
+            return s[name]
+        raise AttributeError(f"{type(self).__name__} has no attribute {name!r} (the figures: {', '.join(s)})")
 
     # -- per token ---------------------------------------------------------------------------
     @property
+    def windows(self) -> int:
+        return len(self.starts)
+
+    @property
+    def n_predictions(self) -> int:
+        return int(self.archive.logits.shape[0])
+
+    @property
+    def groups(self) -> np.ndarray:
+        """The window of each prediction."""
+        return np.repeat(np.arange(self.windows), self.eval_tokens)[:self.n_predictions]
+
+    @property
     def positions(self) -> list[int]:
-        """Position of each predicted token (the first is ``context``)."""
-        return [self.context + i for i in range(self.eval_tokens)]
+        """Cache position of each predicted token (the first of each window is ``context``)."""
+        return [self.context + i for _ in self.starts for i in range(self.eval_tokens)][:self.n_predictions]
+
+    @property
+    def text_positions(self) -> list[int]:
+        """Index in the text of each predicted token."""
+        return [s + i for s in self.starts for i in range(self.eval_tokens)][:self.n_predictions]
+
+    def finite_rows(self) -> np.ndarray:
+        """Predictions whose logits are all finite, in the archive and in the reference (the others are
+        counted, never compared)."""
+        ok = np.isfinite(self.archive.logits).all(axis=-1)
+        if self.reference is not None:
+            ok &= np.isfinite(self.reference.logits).all(axis=-1)
+        return ok
 
     def token_measures(self) -> dict[str, np.ndarray] | None:
         if self.reference is None:
             return None
-        return token_measures(self.reference.logits, self.archive.logits, self.targets)
+        if "tm" not in self._cache:
+            with np.errstate(invalid="ignore", over="ignore"):
+                self._cache["tm"] = token_measures(self.reference.logits, self.archive.logits, self.targets)
+        return self._cache["tm"]
 
     def attention_deviation(self) -> np.ndarray | None:
-        """``[N, layers]`` relative L2 of each attention op's output for each evaluated token."""
+        """``[predictions, layers]`` relative L2 of each attention op's output for each evaluated token."""
         r = self.reference
         if r is None or not r.attention or len(r.attention) != len(self.archive.attention):
             return None
+        if "dev" in self._cache:
+            return self._cache["dev"]
         rows = []
         for a, b in zip(self.archive.attention, r.attention):
             if a.shape != b.shape:
                 return None
-            rows.append([rel_l2(a[:, :, j], b[:, :, j]) for j in range(self.eval_tokens)])
-        return np.asarray(rows, np.float64).T
+            rows.append([rel_l2(a[:, :, j], b[:, :, j]) for j in range(a.shape[2])])
+        self._cache["dev"] = np.asarray(rows, np.float64).T
+        return self._cache["dev"]
 
     # -- summary -----------------------------------------------------------------------------
     def quantized_ops(self) -> list[dict[str, Any]]:
@@ -181,39 +254,78 @@ class ContextResult:
 
     @property
     def first_quantized_read(self) -> int | None:
-        """Index (among the evaluated tokens) of the first one that read a quantized entry."""
-        nz = np.nonzero(self.archive.reads)[0]
-        return int(nz[0]) if nz.size else None
+        """Index (among a window's evaluated tokens) of the first one that read a quantized entry."""
+        nz = np.nonzero(self.archive.reads[:self.eval_tokens])[0]
+        if not nz.size:
+            nz = np.nonzero(self.archive.reads)[0] % max(self.eval_tokens, 1)
+        return int(nz.min()) if nz.size else None
+
+    def intervals(self) -> dict[str, Interval | None]:
+        """The block-bootstrap interval of each mean figure (:mod:`.statistics`), over the finite predictions."""
+        if "iv" in self._cache:
+            return self._cache["iv"]
+        ok = self.finite_rows()
+        g = self.groups[ok]
+        nll = nll_of(self.archive.logits[ok], np.asarray(self.targets)[ok]) if ok.any() else np.zeros(0)
+        out: dict[str, Interval | None] = {"nll": mean_interval(nll, g)}
+        tm = self.token_measures()
+        if tm is not None:
+            out["kl"] = mean_interval(tm["kl"][ok], g, lower=0.0)
+            out["top1"] = mean_interval(tm["top1"][ok].astype(np.float64), g, lower=0.0, upper=1.0)
+            out["nll_reference"] = mean_interval(tm["nll_reference"][ok], g)
+            out["ln_ppl_ratio"] = mean_interval((tm["nll"] - tm["nll_reference"])[ok], g)
+            dev = self.attention_deviation()
+            if dev is not None:
+                d = dev[ok]
+                fin = np.isfinite(d).all(axis=1)
+                out["attention"] = mean_interval(d[fin].mean(axis=1), g[fin], lower=0.0) if d.size else None
+        self._cache["iv"] = out
+        return out
 
     def summary(self) -> dict[str, Any]:
+        if "summary" in self._cache:
+            return self._cache["summary"]
         a = self.archive
+        ok = self.finite_rows()
+        n_ok = int(ok.sum())
         out: dict[str, Any] = {
             "context": self.context, "eval_tokens": self.eval_tokens, "chunk": self.chunk,
+            "windows": self.windows, "window_starts": list(self.starts),
+            "predictions": n_ok, "nonfinite_predictions": int(self.n_predictions - n_ok),
+            "nonfinite_archive": int((~np.isfinite(a.logits).all(axis=-1)).sum()),
+            "nonfinite_reference": None if self.reference is None else
+            int((~np.isfinite(self.reference.logits).all(axis=-1)).sum()),
             "quantized_tokens": self.quantized_tokens, "full_precision_tokens": self.full_precision_tokens,
             "tokens_reading_quantized": self.reads_quantized, "first_quantized_read": self.first_quantized_read,
             "kv_bytes": a.kv_bytes, "kv_bytes_used": a.kv_bytes_used, "kv_bytes_f32": a.kv_bytes_f32,
             "kv_ratio": (a.kv_bytes / a.kv_bytes_f32) if a.kv_bytes_f32 else None,
         }
-        nll = nll_of(a.logits, self.targets)
-        m, se = mean_stderr(nll)
-        out.update({"ppl": math.exp(m), "ppl_stderr": math.exp(m) * se})
+        iv = self.intervals()
+        nan = float("nan")
+        e = iv["nll"]
+        out.update({"ppl": math.exp(e.mean) if e else nan, "ppl_stderr": math.exp(e.mean) * e.se if e else nan,
+                    "ppl_ci95": _interval(e, _exp)})
         tm = self.token_measures()
         if tm is None:
+            self._cache["summary"] = out
             return out
-        kl = tm["kl"]
-        km, kse = mean_stderr(kl)
-        stats = summary_stats(kl, KL_PERCENTILES)
-        top = tm["top1"].astype(np.float64)
-        tmn, tse = mean_stderr(top)
-        rm, rse = mean_stderr(tm["nll_reference"])
-        lr, lrse = mean_stderr(tm["nll"] - tm["nll_reference"])
+        kl = tm["kl"][ok]
+        k, t, r, lr = iv["kl"], iv["top1"], iv["nll_reference"], iv["ln_ppl_ratio"]
+        pct = {p: (float(np.percentile(kl, p)) if kl.size and percentile_supported(p, kl.size) else None)
+               for p in KL_PERCENTILES}
         out.update({
-            "kl_mean": km, "kl_mean_stderr": kse, "kl_median": stats["p50"], "kl_p90": stats["p90"],
-            "kl_p99": stats["p99"], "kl_p99_9": stats["p99.9"], "kl_max": stats["max"], "kl_min": stats["min"],
-            "top1_agreement": tmn, "top1_agreement_stderr": tse,
-            "ppl_reference": math.exp(rm), "ppl_reference_stderr": math.exp(rm) * rse,
-            "ppl_ratio": math.exp(lr), "ln_ppl_ratio": lr, "ln_ppl_ratio_stderr": lrse,
-            "rms_dp": float(np.sqrt(np.mean(tm["dp"] ** 2))),
+            "kl_mean": k.mean if k else nan, "kl_mean_stderr": k.se if k else nan, "kl_mean_ci95": _interval(k),
+            "kl_median": pct[50.0], "kl_p90": pct[90.0], "kl_p99": pct[99.0], "kl_p99_9": pct[99.9],
+            "kl_max": float(kl.max()) if kl.size else nan, "kl_min": float(kl.min()) if kl.size else nan,
+            "top1_agreement": t.mean if t else nan, "top1_agreement_stderr": t.se if t else nan,
+            "top1_agreement_ci95": _interval(t),
+            "ppl_reference": math.exp(r.mean) if r else nan,
+            "ppl_reference_stderr": math.exp(r.mean) * r.se if r else nan,
+            "ppl_ratio": math.exp(lr.mean) if lr else nan, "ppl_ratio_ci95": _interval(lr, _exp),
+            "ln_ppl_ratio": lr.mean if lr else nan, "ln_ppl_ratio_stderr": lr.se if lr else nan,
+            "ln_ppl_ratio_ci95": _interval(lr),
+            "rms_dp": float(np.sqrt(np.mean(tm["dp"][ok] ** 2))) if n_ok else nan,
+            "bootstrap_blocks": k.blocks if k else 0,
         })
         dev = self.attention_deviation()
         out["attention_deviation"] = (
@@ -224,20 +336,25 @@ class ContextResult:
                 "per_layer_max": [float(x) for x in dev.max(axis=0)],
                 "mean": float(dev.mean()),
                 "max": float(dev.max()),
+                "mean_ci95": _interval(iv.get("attention")),
             }
         )
         out["attention_deviation_max"] = None if dev is None else float(dev.max())
+        self._cache["summary"] = out
         return out
 
     def to_dict(self) -> dict[str, Any]:
-        d = self.summary()
+        d = dict(self.summary())
         tm = self.token_measures()
         dev = self.attention_deviation()
-        per = {"position": self.positions, "target": list(self.targets),
+        per = {"position": self.positions, "text_position": self.text_positions,
+               "window": [int(x) for x in self.groups], "target": list(self.targets),
                "reads_quantized": [int(x) for x in self.archive.reads],
                "nll": [float(x) for x in nll_of(self.archive.logits, self.targets)]}
         if tm is not None:
-            per.update({"kl": [float(x) for x in tm["kl"]], "top1": [bool(x) for x in tm["top1"]],
+            fin = self.finite_rows()
+            per.update({"kl": [float(x) for x in tm["kl"]],
+                        "top1": [bool(x) if f else None for x, f in zip(tm["top1"], fin)],
                         "nll_reference": [float(x) for x in tm["nll_reference"]]})
         if dev is not None:
             per["attention_deviation"] = [[float(x) for x in row] for row in dev]
@@ -247,6 +364,13 @@ class ContextResult:
                         **({"reference": self.reference.seconds} if self.reference is not None else {})}
         d["per_token"] = per
         return d
+
+
+def _exp(x: float) -> float:
+    try:
+        return math.exp(x)
+    except OverflowError:
+        return math.inf
 
 
 @dataclass
@@ -262,6 +386,8 @@ class ValidationReport:
     contexts: list[ContextResult] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    plan: Any = None  # the runner's Plan (contexts, predictions per window, window starts)
+    model_positions: int | None = None  # the most positions the model holds (None: unbounded)
 
     @property
     def ok(self) -> bool:
@@ -289,10 +415,11 @@ class ValidationReport:
     def to_dict(self) -> dict[str, Any]:
         o = self.options
         return {
-            "format": "nnef-kv-validation", "version": 2, "verdict": self.verdict,
+            "format": "nnef-kv-validation", "version": 3, "verdict": self.verdict,
             "archive": self.archive, "reference": self.reference, "scheme": self.scheme,
             "tokens": self.tokens, "n_tokens": self.n_tokens, "kv_ops": self.kv_ops,
-            "options": {"contexts": o.contexts, "eval_tokens": o.eval_tokens, "chunk": o.chunk,
+            "options": {"contexts": o.contexts, "eval_tokens": o.eval_tokens, "windows": o.windows,
+                        "windows_seed": o.windows_seed, "chunk": o.chunk,
                         **{k: getattr(o, k) for k in THRESHOLDS}, "parity_atol": o.parity_atol,
                         "parity_rtol": o.parity_rtol, "allow_different_weights": o.allow_different_weights},
             "checks": [c.to_dict() for c in self.checks], "notes": list(self.notes),
