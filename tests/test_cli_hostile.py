@@ -132,6 +132,12 @@ CONVERT = [
     C("never-quantized", "convert {in}/f32.nnef.tar -o {out}/t.tgz --residual 100", 0,
       "note: never quantized: the op quantizes once it holds 132 tokens", "--residual past the model's positions",
       changed=("t.tgz",)),
+    C("ggml-head-dim", "convert {in}/f32.nnef.tar -o {out}/t.tgz --scheme ggml", 2, "scheme ggml: the converted "
+      "graph cannot run (node 'layer0_attn_output' (nnef_kv_ggml_sdpa): head_dim D = 8 is not a "
+      "multiple of 32", "--scheme ggml on a model whose head_dim is 8"),
+    C("hf-group-7", "convert {in}/f32.nnef.tar -o {out}/t.tgz --scheme hf --group-size 7", 2, "scheme hf: the "
+      "converted graph cannot run (node 'layer0_attn_output' (nnef_kv_hf_quantized_sdpa): quanto cannot group a "
+      "[1, 1, 1, 8] tensor along axis 0: group_size 7 must divide 8", "--scheme hf --group-size 7"),
     C("bits-text", "convert {in}/f32.nnef.tar -o {out}/t.tgz --bits four", 2, "--bits: invalid int value: 'four'",
       "--bits four"),
     C("dat-in", "convert {in}/w.dat -o {out}/t.tgz", 2, "w.dat: an NNEF tensor file (.dat)", "a .dat as input"),

@@ -119,6 +119,7 @@ def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, bits: int | None =
     if never:
         report.passes[-1].notes.append(never)
     new_model = _rebuild(model, doc, report)
+    _check_runs(new_model, model, options, where)
     report.inputs = list(g.inputs)
     report.outputs = list(g.outputs)
     return new_model, report
@@ -148,6 +149,40 @@ def _never_quantized(s: Any, settings: Any, doc: Any) -> str | None:
         return None
     return (f"never quantized: the op quantizes once it holds {window} tokens ({s.settings_text(settings)}), the "
             f"model holds at most {bound[0]} positions ({bound[1]}): every token stays in full precision")
+
+
+def _check_runs(new_model: Any, model: Any, options: ConvertOptions, where: str) -> None:
+    """The check ``nnef-kv inspect`` runs (build, one run on zeros: :func:`~nnef_kv.interpreter.check.check_model`),
+    on the converted model: what the scheme's op would refuse at run time (ggml's head_dim not a multiple of 32,
+    hf's group_size not dividing it) is refused now, with the op's reason, before anything is written. A failure
+    the input model has as well is not the conversion's: it is left to the commands that run it; one that goes
+    away with 2 or 4 tokens a symbol is a limit of short inputs, not of the archive."""
+    from ..errors import NnefKvError
+    from ..interpreter.check import check_model
+
+    try:
+        check_model(new_model)
+    except NnefKvError as exc:
+        try:
+            check_model(model)
+        except NnefKvError:
+            return
+        for more in (2, 4):  # a failure of one-token runs only (hqq packs rows in pairs) is not refused
+            try:
+                check_model(new_model, symbol_value=more)
+                return
+            except NnefKvError:
+                pass
+        detail = str(exc)
+        marker = "was refused: "
+        if marker in detail:
+            detail = detail.split(marker, 1)[1]
+        if "node '" in detail:  # the location is the input's graph.nnef: the node names the converted graph's place
+            detail = detail[detail.index("node '"):]
+        op = options.scheme_object.op
+        detail = detail.replace(f"({op}): {op}: ", f"({op}): ")
+        raise ConversionError(f"{where}: scheme {options.scheme}: the converted graph cannot run ({detail}); "
+                              f"nothing written") from None
 
 
 def _rebuild(model: Any, doc: Any, report: ConversionReport) -> Any:

@@ -32,8 +32,10 @@ class CheckResult:
         return "\n".join([head] + [f"  {name}: {dtype} {shape}" for name, dtype, shape in self.outputs])
 
 
-def check_model(model: Any) -> CheckResult:
-    """Build ``model``'s graph and run it once on zeros (see the module doc); raises the first error."""
+def check_model(model: Any, symbol_value: int = SYMBOL_VALUE) -> CheckResult:
+    """Build ``model``'s graph and run it once on zeros (see the module doc); raises the first error.
+    ``symbol_value``: the value of every symbol (default 1)."""
+    SYMBOL_VALUE = symbol_value  # noqa: N806 - the module default, or the caller's
     session = model.session()
     plan = session.plan
     g = plan.graph
