@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -195,7 +195,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_INTERRUPTED if stopped == "interrupted" else EXIT_OK
 
 
-_VALIDATE_NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "chunk": "--chunk", "max_kl": "--max-kl",
+_VALIDATE_NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "windows": "--windows",
+                   "windows_seed": "--windows-seed", "chunk": "--chunk", "max_kl": "--max-kl",
                    "min_token_agreement": "--min-token-agreement", "max_ppl_ratio": "--max-ppl-ratio",
                    "max_attention_deviation": "--max-attention-deviation", "parity_atol": "--parity-atol",
                    "parity_rtol": "--parity-rtol", "reference": "--reference"}
@@ -205,8 +206,9 @@ def _validate_options(args: argparse.Namespace) -> Any:
     from .validate.runner import ValidateOptions
 
     return ValidateOptions(
-        contexts=_parse_contexts(args.context), eval_tokens=args.eval_tokens, chunk=args.chunk,
-        max_kl=args.max_kl, min_token_agreement=args.min_token_agreement, max_ppl_ratio=args.max_ppl_ratio,
+        contexts=_parse_contexts(args.context), eval_tokens=args.eval_tokens, windows=args.windows,
+        windows_seed=args.windows_seed, chunk=args.chunk, max_kl=args.max_kl,
+        min_token_agreement=args.min_token_agreement, max_ppl_ratio=args.max_ppl_ratio,
         max_attention_deviation=args.max_attention_deviation, parity=not args.no_parity,
         parity_atol=args.parity_atol, parity_rtol=args.parity_rtol,
         allow_different_weights=args.allow_different_weights,
@@ -230,6 +232,9 @@ def _print_validation(rep: Any) -> None:
         print(f"  [--] tract parity: skipped: {p.reason}")
     for c in rep.checks:
         print(f"  [{'ok' if c.ok else 'FAIL'}] {c.name}: {c.detail}")
+    if rep.options.thresholds:
+        print("  (a threshold on a mean passes when its 95% interval's bound does: the upper bound for --max-kl "
+              "and --max-ppl-ratio, the lower for --min-token-agreement)")
     print(rep.verdict.upper())
 
 
@@ -245,7 +250,13 @@ def cmd_validate(args: argparse.Namespace) -> int:
     if args.report_dir:
         output_folder(args.report_dir, "--report-dir", files=("report.json", "report.md", "report.png"),
                       inputs=[src] + ([ref_path] if ref_path else []))
+    from .validate.api import tokenizer_beside
+
+    args.tokenizer, tok_note = tokenizer_beside(args.tokenizer, str(src), str(ref_path) if ref_path else None,
+                                                args.ids is None)
     source = _token_source(args, src, default_text=True)
+    if tok_note:
+        source.notes.append(tok_note)
     model = load(src)
     reference = load(ref_path) if ref_path else None
     with progress_bar(f"validating {src.name}", total=None) as advance:
@@ -394,12 +405,22 @@ def build_parser() -> argparse.ArgumentParser:
                            help="tokenizer.json (or a folder holding one); default: found next to the archive")
     sp.add_argument("--context", help="context lengths L1,L2,... (default: 8 x the KV ops' full-precision window, "
                                       "at least 256, capped by the model and the text)")
-    sp.add_argument("--eval-tokens", type=int, default=64, help="predictions measured per context (default 64)")
+    sp.add_argument("--eval-tokens", type=int, default=None,
+                    help="predictions measured per window and context (default 512, capped by the model and the text)")
+    sp.add_argument("--windows", type=int, default=None,
+                    help="disjoint windows of the text, each prefilled to the context then teacher-forced; the same "
+                         "tokens at every context (default: 4, or as many as the text holds)")
+    sp.add_argument("--windows-seed", type=int, default=0,
+                    help="0: windows spread evenly over the text; another: placed at random by this seed")
     sp.add_argument("--chunk", type=int, help="prefill in calls of N tokens (default: one call)")
     sp.add_argument("--report-dir", help="write report.json, report.md and report.png here")
-    sp.add_argument("--max-kl", type=float, help="fail when the mean KL(p_ref||p) (nats) is above")
-    sp.add_argument("--min-token-agreement", type=float, help="fail when the same-top-1 fraction is below (0..1)")
-    sp.add_argument("--max-ppl-ratio", type=float, help="fail when ppl / ppl_reference is above")
+    sp.add_argument("--max-kl", type=float,
+                    help="fail unless the mean KL(p_ref||p) (nats) is below, its 95%% interval's upper bound included")
+    sp.add_argument("--min-token-agreement", type=float,
+                    help="fail unless the same-top-1 fraction (0..1) is above, its 95%% interval's lower bound "
+                         "included")
+    sp.add_argument("--max-ppl-ratio", type=float,
+                    help="fail unless ppl / ppl_reference is below, its 95%% interval's upper bound included")
     sp.add_argument("--max-attention-deviation", type=float,
                     help="fail when the worst per-layer attention deviation is above")
     sp.add_argument("--no-parity", action="store_true", help="do not run tract")
@@ -432,7 +453,39 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--report-dir", help="write one validation report per model into this folder")
     sp.add_argument("--save-dir", help="keep the f32 and converted archives in this folder")
     add_commands(sub, COMMANDS)  # compare, convert --auto-bits (nnef_kv/cli_compare.py)
+    for name in THREADED_COMMANDS:
+        sub.choices[name].add_argument(
+            "--threads", type=int, default=None, metavar="N",
+            help="threads of each session: 1 = everything on the calling thread, 2 = large weight products split "
+                 "in two column halves (BLAS itself stays on one thread either way); default: the usable CPUs, at "
+                 "most 2 (also read from $NNEF_KV_THREADS; worker processes inherit it)")
     return p
+
+
+#: the commands taking ``--threads`` (the sessions' threads, see nnef_kv/interpreter/plan/parallel.py)
+THREADED_COMMANDS = ("run", "generate", "validate", "compare", "demo")
+
+
+@contextlib.contextmanager
+def _threads_of(args: argparse.Namespace) -> Iterator[None]:
+    """``--threads N``: every session of the command (and of its worker processes) runs on N threads; the
+    environment is put back afterwards (``main`` called in-process)."""
+    n = getattr(args, "threads", None)
+    if n is None:
+        yield
+        return
+    from .interpreter.plan.parallel import THREADS_ENV
+
+    _int_at_least("--threads", n, 1)
+    saved = os.environ.get(THREADS_ENV)
+    os.environ[THREADS_ENV] = str(n)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(THREADS_ENV, None)
+        else:
+            os.environ[THREADS_ENV] = saved
 
 
 _LIMIT_FLAGS = ("max_archive_bytes", "max_tensor_bytes", "max_members", "max_nesting")
@@ -468,7 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.debug = debug
     try:
         limits = _limits_from(args)
-        with using_limits(limits):
+        with using_limits(limits), _threads_of(args):
             return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("nnef-kv: interrupted", file=sys.stderr)

@@ -115,7 +115,7 @@ def format_summary(s: dict[str, Any]) -> list[tuple[str, str]]:
     if "kl_mean" in s:
         rows += [
             ("Mean PPL(Q)", _ci(s["ppl"], s.get("ppl_ci95"))),
-            ("Mean PPL(base)", _pm(s["ppl_reference"], s["ppl_reference_stderr"])),
+            ("Mean PPL(base)", _ci(s["ppl_reference"], s.get("ppl_reference_ci95"))),
             ("Mean ln(PPL(Q)/PPL(base))", _ci(s["ln_ppl_ratio"], s.get("ln_ppl_ratio_ci95"))),
             ("Mean PPL(Q)/PPL(base)", _ci(s["ppl_ratio"], s.get("ppl_ratio_ci95"))),
             ("Mean KLD", _ci(s["kl_mean"], s.get("kl_mean_ci95"))),

@@ -320,7 +320,7 @@ class ContextResult:
             "top1_agreement": t.mean if t else nan, "top1_agreement_stderr": t.se if t else nan,
             "top1_agreement_ci95": _interval(t),
             "ppl_reference": math.exp(r.mean) if r else nan,
-            "ppl_reference_stderr": math.exp(r.mean) * r.se if r else nan,
+            "ppl_reference_stderr": math.exp(r.mean) * r.se if r else nan, "ppl_reference_ci95": _interval(r, _exp),
             "ppl_ratio": math.exp(lr.mean) if lr else nan, "ppl_ratio_ci95": _interval(lr, _exp),
             "ln_ppl_ratio": lr.mean if lr else nan, "ln_ppl_ratio_stderr": lr.se if lr else nan,
             "ln_ppl_ratio_ci95": _interval(lr),
