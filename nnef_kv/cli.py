@@ -23,7 +23,7 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -82,21 +82,35 @@ def _load_model(src: Path) -> Any:
 
 def cmd_convert(args: argparse.Namespace) -> int:
     from .converters import convert, frontends
-    from .converters.options import from_arguments
+    from .converters.options import from_arguments, scheme_given
     from .io.archive import save
     from .progress import progress_bar
+    from .text import write_beside
 
     opts = from_arguments(args)
     src = _existing_path(args.input)
     out, _ = output_model(args.output, "-o", [src])
+    fe = frontends.detect(src)
+    import_only = fe is not None and fe.name == "gguf" and not scheme_given(args)
     t0 = time.perf_counter()
-    with progress_bar(f"converting {src.name}", total=3) as advance:
-        model = frontends.load(src)
+    with progress_bar(f"{'importing' if import_only else 'converting'} {src.name}", total=2 + (not import_only)) \
+            as advance:
+        model = frontends.load(src, weights=getattr(args, "weights", None))
         advance()
-        converted, report = convert(model, **opts.as_dict())
-        advance()
+        if import_only:
+            converted, report = model, None
+        else:
+            converted, report = convert(model, **opts.as_dict())
+            advance()
         save(converted, args.output)
         advance()
+    beside = write_beside(out, model.beside) if model.beside else []
+    for note in model.import_notes:
+        print(f"note: {note}", file=sys.stderr)
+    done = f" and {', '.join(str(p) for p in beside)}" if beside else ""
+    if report is None:
+        print(f"imported {src} ({fe.kinds if fe else ''}) -> {args.output}{done} ({time.perf_counter() - t0:.2f} s)")
+        return EXIT_OK
     for line in getattr(report, "attentions", []) or []:
         print(f"  {line}")
     for note in report.notes:
@@ -104,7 +118,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             print(f"note: {note}", file=sys.stderr)
     bits = opts.scheme_object.bits_text(opts.scheme_options)
     print(f"converted {len(getattr(report, 'attentions', []) or [])} attention block(s) of {src} with scheme "
-          f"{opts.scheme}, {bits} bits -> {args.output} ({time.perf_counter() - t0:.2f} s)")
+          f"{opts.scheme}, {bits} bits -> {args.output}{done} ({time.perf_counter() - t0:.2f} s)")
     return EXIT_OK
 
 
@@ -359,9 +373,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--no-check", action="store_true", help="the text summary only: no graph building, no check run")
 
     sp = sub.add_parser("convert", help="rewrite a decoder's attention/KV cache to a quantized KV cache")
-    sp.add_argument("input", help="NNEF folder, .tar, .tgz, graph.nnef, or .onnx (converters/frontends)")
+    sp.add_argument("input", help="NNEF folder, .tar, .tgz, graph.nnef, .onnx, or .gguf (converters/frontends)")
     sp.add_argument("-o", "--output", required=True,
                     help="output archive: a .tar, .tgz or .tar.gz file, or a folder (a name without a suffix)")
+    sp.add_argument("--weights", choices=["f32", "f16", "keep"], default=None,
+                    help=".gguf input: f32 (default: dequantized as gguf.quants does), f16 (stored f16, computed f32) "
+                         "or keep (Q4_0 / Q8_0 kept as tract blocks, other types dequantized)")
     add_convert_arguments(sp)  # --scheme and the schemes' flags (nnef_kv.kv.schemes)
 
     sp = sub.add_parser("run", help="run an archive on inputs from an .npz, one or several steps",
@@ -453,7 +470,39 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--report-dir", help="write one validation report per model into this folder")
     sp.add_argument("--save-dir", help="keep the f32 and converted archives in this folder")
     add_commands(sub, COMMANDS)  # compare, convert --auto-bits (nnef_kv/cli_compare.py)
+    for name in THREADED_COMMANDS:
+        sub.choices[name].add_argument(
+            "--threads", type=int, default=None, metavar="N",
+            help="threads of each session: 1 = everything on the calling thread, 2 = large weight products split "
+                 "in two column halves (BLAS itself stays on one thread either way); default: the usable CPUs, at "
+                 "most 2 (also read from $NNEF_KV_THREADS; worker processes inherit it)")
     return p
+
+
+#: the commands taking ``--threads`` (the sessions' threads, see nnef_kv/interpreter/plan/parallel.py)
+THREADED_COMMANDS = ("run", "generate", "validate", "compare", "demo")
+
+
+@contextlib.contextmanager
+def _threads_of(args: argparse.Namespace) -> Iterator[None]:
+    """``--threads N``: every session of the command (and of its worker processes) runs on N threads; the
+    environment is put back afterwards (``main`` called in-process)."""
+    n = getattr(args, "threads", None)
+    if n is None:
+        yield
+        return
+    from .interpreter.plan.parallel import THREADS_ENV
+
+    _int_at_least("--threads", n, 1)
+    saved = os.environ.get(THREADS_ENV)
+    os.environ[THREADS_ENV] = str(n)
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(THREADS_ENV, None)
+        else:
+            os.environ[THREADS_ENV] = saved
 
 
 _LIMIT_FLAGS = ("max_archive_bytes", "max_tensor_bytes", "max_members", "max_nesting")
@@ -489,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.debug = debug
     try:
         limits = _limits_from(args)
-        with using_limits(limits):
+        with using_limits(limits), _threads_of(args):
             return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("nnef-kv: interrupted", file=sys.stderr)

@@ -22,6 +22,7 @@ from ..grammar import ast as A
 from .graph import Node
 from .graph import slots_of as _slots_of
 from .plan import Plan, bind_inputs, execute, get_plan
+from .plan.parallel import BLAS, check_threads
 from .plan.steps import symbolic_attrs as _symbolic_attrs
 from .registry import NO_CHECKPOINT, KvState
 
@@ -38,7 +39,7 @@ class DocumentModel:
     quantization: Any = None
     source: str | None = None
 
-    def session(self, state: Any = None, threads: int = 1) -> "Session":
+    def session(self, state: Any = None, threads: int | None = None) -> "Session":
         return Session(self, state=state, threads=threads)
 
 
@@ -67,12 +68,12 @@ class Session:
     ``outputs = session.run({"input": x})`` returns a dict by output name in the graph's output order.
     """
 
-    def __init__(self, model: Any, state: str | os.PathLike | None = None, threads: int = 1) -> None:
+    def __init__(self, model: Any, state: str | os.PathLike | None = None, threads: int | None = None) -> None:
         """``threads = 2``: large products by constant weights run as two column halves, one on a helper
-        thread (:mod:`nnef_kv.interpreter.parallel`; keep BLAS itself on one thread then)."""
-        if int(threads) < 1:
-            raise InputError(f"threads must be >= 1, got {threads}")
-        self.threads = int(threads)
+        thread (:mod:`nnef_kv.interpreter.plan.parallel`); ``threads = 1``: everything on the calling thread;
+        None (the default): the usable CPUs, at most 2. Whatever the value, BLAS itself runs on one thread
+        while the session runs (its own threads collapse on a loaded machine; see the thread policy there)."""
+        self.threads = check_threads(threads)
         self.model = model
         self.plan = get_plan(model)
         self.states: list[KvState] = []
@@ -142,7 +143,8 @@ class Session:
             outs, caps = self._run_stepwise(plan, inputs, slots, capture_map)
         elif capture is None and not self.states:  # the decode path of stateless graphs: nothing else to do
             v = bind_inputs(plan, inputs)
-            execute(plan, v, self.states, threads=self.threads)
+            with BLAS:
+                execute(plan, v, self.states, threads=self.threads)
             return {name: v[slot] for name, slot in plan.outputs}
         else:
             v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
@@ -163,7 +165,8 @@ class Session:
                 taps = {s: (lambda x, s=s: got.__setitem__(s, capture_map(x))) for s in set(slots)}
         marks = self._checkpoint() if (checkpoint and self.states) else None
         try:
-            execute(plan, v, self.states, keep, self.threads, taps)
+            with BLAS:
+                execute(plan, v, self.states, keep, self.threads, taps)
         except BaseException as exc:
             if marks is not None:
                 self._rollback(marks, exc)

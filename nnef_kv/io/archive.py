@@ -65,6 +65,10 @@ class Model:
     tensor_info: dict[str, DatInfo] = field(default_factory=dict)
     limits: Limits = field(default_factory=current_limits, repr=False, compare=False)
     """The limits the model was loaded with; what graph building and running should apply to it too."""
+    beside: dict[str, bytes] = field(default_factory=dict, repr=False, compare=False)
+    """Files a front end asks to write beside the archive (a GGUF's ``tokenizer.json``); not members."""
+    import_notes: list[str] = field(default_factory=list, repr=False, compare=False)
+    """What a front end did that a user should know (types dequantized, defaults applied)."""
 
     # ------------------------------------------------------------------------------------------
     @classmethod
@@ -163,11 +167,12 @@ class Model:
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
 
-    def session(self, state: Any = None) -> "Session":
-        """A runnable session of this model (see :mod:`nnef_kv.interpreter.session`)."""
+    def session(self, state: Any = None, threads: int | None = None) -> "Session":
+        """A runnable session of this model (see :mod:`nnef_kv.interpreter.session`; ``threads``: its
+        ``threads``, None for the default policy)."""
         from ..interpreter.session import Session
 
-        return Session(self, state=state)
+        return Session(self, state=state, threads=threads)
 
     def nbytes(self) -> int:
         """Bytes held by the tensors."""
@@ -219,6 +224,10 @@ def load(path: str | os.PathLike, limits: Limits | None = None, *, check: bool =
     _, members = read_container(where, limits)
     by_name = {m.name: m for m in members}
     if GRAPH_NNEF not in by_name:
+        held = [m.name for m in members if "/" not in m.name and m.name.endswith((".tgz", ".tar", ".tar.gz"))]
+        if held and os.path.isdir(where):  # an export folder (torch-to-nnef: model.nnef.tgz beside its files)
+            raise ArchiveError(f"{where}: no {GRAPH_NNEF} in the folder; it holds the archive {held[0]}: pass that "
+                               f"({os.path.join(where, held[0])})")
         raise ArchiveError(f"{where}: no {GRAPH_NNEF} in the model")
     # sub-model folders: ``x/graph.nnef`` two levels deep, as tract detects them (tract then moves
     # every id starting with ``x`` into the sub-model; nnef-kv takes the folder ``x/`` only)

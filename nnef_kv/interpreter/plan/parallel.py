@@ -14,9 +14,22 @@ costs little more than one thread. Use it with BLAS itself on one thread
 The halves are split on a multiple of 16 columns; each output element is the same dot product as in the
 unsplit product (BLAS may round a column differently next to a block edge: within the float tolerance
 the parity tests use).
+
+**The thread policy** (issue 26): while a session runs, BLAS itself is held at one thread
+(:data:`BLAS`, through threadpoolctl) whatever the session's ``threads``, and the session's own
+threads are the only second thread: a product is split only when it is large enough
+(:func:`split_worth`: weight >= ``MIN_SPLIT_BYTES`` and rows x inputs x outputs >= ``MIN_SPLIT_WORK``),
+else it runs on the calling thread. The reason, measured on the 2-core VM (SmolLM2-135M-shaped f32
+decoder, explicit caches; ``python benchmarks/scale.py`` prints the rows):
+OpenBLAS on two threads hands half of each product to a worker and *waits* for it; with another
+process on the other core that worker is descheduled for a time slice, and a 1 x 576 x 1536 product
+took 8.0 ms instead of 0.12 ms (743 ms a token instead of 74.5 ms). The claimed helper here never
+waits on a worker that is not running. :func:`default_threads` (what ``Session(threads=None)`` and the
+CLI's default use) is the usable CPUs, capped at the two halves this splitter makes.
 """
 from __future__ import annotations
 
+import os
 import queue
 import threading
 import time
@@ -26,6 +39,9 @@ import numpy as np
 
 #: products whose weight is smaller than this (bytes) are not split: the hand-over would cost more
 MIN_SPLIT_BYTES = 256 * 1024
+#: products doing fewer multiply-adds than this (rows x inputs x outputs) are not split either: below it the
+#: hand-over to the helper (a queue put, an event) costs about what the second half saves
+MIN_SPLIT_WORK = 1 << 18
 #: products run unsplit after the helper was late too often, before splitting is tried again
 PAUSE = 64
 
@@ -126,12 +142,117 @@ class ColumnSplitter:
 SPLITTER = ColumnSplitter()
 
 
+def split_worth(m: int, k: int, n: int, itemsize: int = 4) -> bool:
+    """The thread policy for one product ``[m, k] @ [k, n]``: split across two threads only when the weight
+    holds at least ``MIN_SPLIT_BYTES`` and the product does at least ``MIN_SPLIT_WORK`` multiply-adds."""
+    return k * n * itemsize >= MIN_SPLIT_BYTES and m * k * n >= MIN_SPLIT_WORK and n >= 32
+
+
 def split_matmul(a2d: np.ndarray, bt: np.ndarray) -> Any:
     """``a2d @ bt``, split across two threads when a session with ``threads > 1`` is running and the
-    weight is large enough; plain ``np.matmul`` otherwise."""
-    if SPLITTER.active and bt.nbytes >= MIN_SPLIT_BYTES and a2d.ndim == 2 and a2d.dtype == bt.dtype:
+    product is large enough (:func:`split_worth`); plain ``np.matmul`` otherwise."""
+    if SPLITTER.active and a2d.ndim == 2 and bt.ndim == 2 and a2d.dtype == bt.dtype \
+            and split_worth(a2d.shape[0], bt.shape[0], bt.shape[1], bt.itemsize):
         return SPLITTER.matmul(a2d, bt)
     return np.matmul(a2d, bt)
 
 
-__all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "MIN_SPLIT_BYTES"]
+def usable_cpus() -> int:
+    """CPUs this process may run on (its affinity set where the OS has one)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+#: the environment variable naming the sessions' default ``threads`` (set by the CLI's ``--threads``, so that
+#: worker processes inherit it)
+THREADS_ENV = "NNEF_KV_THREADS"
+
+
+def default_threads() -> int:
+    """The session's default ``threads``: ``$NNEF_KV_THREADS`` when set (``nnef-kv --threads N``), else the
+    usable CPUs, at most 2 (the splitter makes two halves)."""
+    given = os.environ.get(THREADS_ENV)
+    if given:
+        from ...errors import InputError
+
+        try:
+            n = int(given)
+        except ValueError:
+            n = 0
+        if n < 1:
+            raise InputError(f"{THREADS_ENV}={given!r}: must be an integer >= 1")
+        return n
+    return min(2, usable_cpus())
+
+
+def check_threads(threads: Any, what: str = "threads") -> int:
+    """``threads`` as a positive int (None: :func:`default_threads`); one line naming ``what`` otherwise."""
+    from ...errors import InputError
+
+    if threads is None:
+        return default_threads()
+    if isinstance(threads, bool) or not isinstance(threads, (int, np.integer)) or int(threads) < 1:
+        raise InputError(f"{what} must be an integer >= 1, got {threads!r}")
+    return int(threads)
+
+
+class BlasThreads:
+    """Holds BLAS's own thread pools at one thread while at least one run is inside (re-entrant, shared by
+    threads: the first to enter saves the pools' counts, the last to leave puts them back). Uses
+    threadpoolctl's controllers of the BLAS libraries already loaded (found once); without threadpoolctl
+    it does nothing (``available`` is False)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._depth = 0
+        self._saved: list[tuple[Any, int]] = []
+        self._libs: list[Any] | None = None
+
+    def libraries(self) -> list[Any]:
+        if self._libs is None:
+            try:
+                from threadpoolctl import ThreadpoolController
+            except ImportError:
+                self._libs = []
+            else:
+                self._libs = [c for c in ThreadpoolController().lib_controllers if c.user_api == "blas"]
+        return self._libs
+
+    @property
+    def available(self) -> bool:
+        return bool(self.libraries())
+
+    def counts(self) -> list[int]:
+        """The current thread count of each BLAS library found."""
+        return [int(c.get_num_threads()) for c in self.libraries()]
+
+    def __enter__(self) -> "BlasThreads":
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self._saved = []
+                for c in self.libraries():
+                    n = int(c.get_num_threads())
+                    if n != 1:
+                        c.set_num_threads(1)
+                        self._saved.append((c, n))
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                for c, n in self._saved:
+                    c.set_num_threads(n)
+                self._saved = []
+
+
+#: the process-wide BLAS hold the session takes around every run
+BLAS = BlasThreads()
+
+
+__all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "split_worth", "MIN_SPLIT_BYTES", "MIN_SPLIT_WORK",
+           "BLAS", "BlasThreads", "default_threads", "check_threads", "usable_cpus",
+           "THREADS_ENV"]

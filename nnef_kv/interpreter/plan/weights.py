@@ -1,12 +1,22 @@
-"""Weights pass: ``linear(x, W)`` and ``matmul(x, W, transposeB = true)`` with a constant ``W`` get ``W``
-pre-transposed to a contiguous ``[in, out]`` array (a plain ``x @ Wt`` at run time), and products of one
-input by several constant weights (q/k/v, gate/up) become one product by the weights side by side."""
+"""Weights pass: ``linear(x, W)`` and ``matmul(x, W, transposeB = true)`` with a constant ``W`` run as
+``x @ Wt`` where ``Wt`` is the transposed *view* of the archive's own ``[out, in]`` array (BLAS is told
+the transposition: no copy, so a memory-mapped weight stays one array, read from the file when first
+used, and a tied embedding read by a gather and the LM head is one array); products of one input by
+several constant weights (q/k/v, gate/up) become one product by the weights side by side (one new
+``[in, out]`` array; the pages of memory-mapped originals are then released, see
+:func:`nnef_kv.io.container.release_pages`).
+
+Measured (``python benchmarks/scale.py --products``, BLAS on one thread, 2-core VM): a one-row product by
+the transposed view takes the time of the contiguous copy's (1 x 576 x 1536: 124.6 vs 124.8 us;
+1 x 576 x 49152: 8.1 vs 9.0 ms), a 512-row one 0.99-1.41x (noisy), 2-8 rows about 1.6x (those are
+rare: a decode step has one row, a prefill hundreds)."""
 from __future__ import annotations
 
 from typing import Any, Callable
 
 import numpy as np
 
+from ...io.container import release_pages
 from ..graph import Node
 from .parallel import split_matmul
 from .steps import Step, has_lazy as _has_lazy, replace_steps
@@ -40,10 +50,12 @@ def _linear_pretransposed(x: np.ndarray, wt: np.ndarray, bias: np.ndarray | None
 
 
 def _prepare_weight(w: np.ndarray) -> np.ndarray:
-    """``W [.., out, in]`` -> contiguous ``[in, out]`` (leading unit axes dropped)."""
+    """``W [.., out, in]`` -> ``[in, out]`` (leading unit axes dropped): the transposed view of a contiguous
+    ``W`` (no copy: BLAS reads it transposed), a contiguous copy of any other layout."""
     while w.ndim > 2 and w.shape[0] == 1:
         w = w[0]
-    return np.ascontiguousarray(np.swapaxes(w, -1, -2))
+    wt = np.swapaxes(w, -1, -2)
+    return wt if wt.ndim == 2 and wt.flags.f_contiguous else np.ascontiguousarray(wt)
 
 
 def rewrite_weights(node: Node, base: list[Any], consts: set[int]) -> tuple[Callable, list[Any], dict] | None:
@@ -89,6 +101,8 @@ def fuse_projections(steps: list[Step], step_nodes: list[Node],
         if len(members) < 2:
             continue
         wt = np.ascontiguousarray(np.concatenate([m[2] for m in members], axis=1))
+        for m in members:  # a memory-mapped original is read again from its file if anything else uses it
+            release_pages(m[2])
         parts: list[tuple[int, int, int]] = []
         at = 0
         for m in members:
