@@ -42,7 +42,7 @@ def test_every_stateful_op_has_a_kv_state_a_role_and_a_description() -> None:
                                               "tract_transformers_quantized_kv_sdpa",
                                               "tract_transformers_window_kv_sdpa"}
     assert ops_with(quantized=True) == {"nnef_kv_kivi_sdpa", "nnef_kv_ggml_sdpa", "nnef_kv_hf_quantized_sdpa",
-                                        "tract_transformers_quantized_kv_sdpa",
+                                        "nnef_kv_rotated_sdpa", "tract_transformers_quantized_kv_sdpa",
                                         "tract_transformers_quantized_dyn_kv_cache"}
     assert ops_with(role="source") == {"external", "variable", "constant", "tract_core_external"}
 

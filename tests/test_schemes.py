@@ -50,14 +50,14 @@ def _flags(parser) -> dict[str, object]:
 
 # ---------------------------------------------------------------------------------------------- registry
 def test_registry_holds_todays_schemes_with_their_ops():
-    assert list(S.SCHEMES) == ["kivi", "tract", "tract-cache", "ggml", "hf"]
+    assert list(S.SCHEMES) == ["kivi", "tract", "tract-cache", "ggml", "hf", "rotated"]
     assert {n: s.op for n, s in S.SCHEMES.items()} == {
         "kivi": "nnef_kv_kivi_sdpa", "tract": "tract_transformers_quantized_kv_sdpa",
         "tract-cache": "tract_transformers_quantized_dyn_kv_cache", "ggml": "nnef_kv_ggml_sdpa",
-        "hf": "nnef_kv_hf_quantized_sdpa"}
+        "hf": "nnef_kv_hf_quantized_sdpa", "rotated": "nnef_kv_rotated_sdpa"}
     assert {n: s.rewrite for n, s in S.SCHEMES.items()} == {"kivi": "attention", "tract": "attention",
                                                            "tract-cache": "cache", "ggml": "attention",
-                                                           "hf": "attention"}
+                                                           "hf": "attention", "rotated": "attention"}
     assert S.scheme("tract") is S.SCHEMES["tract"]
     assert S.fixed_bits("tract_transformers_quantized_kv_sdpa") == 8 and S.fixed_bits("nnef_kv_kivi_sdpa") is None
 
@@ -67,7 +67,7 @@ def test_unknown_scheme_is_one_line_listing_the_choices(name):
     with pytest.raises(ConversionError) as exc:
         S.scheme(name)
     msg = str(exc.value)
-    assert "\n" not in msg and msg == f"option scheme={name!r}: expected one of kivi, tract, tract-cache, ggml, hf"
+    assert "\n" not in msg and msg == f"option scheme={name!r}: expected one of kivi, tract, tract-cache, ggml, hf, rotated"
 
 
 def test_schemes_module_imports_no_converter():

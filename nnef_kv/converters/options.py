@@ -94,8 +94,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     for spec in _schemes.all_options():
         takers = [s for s in reg.values() if spec.name in s.option_names]
         defaults = ", ".join(f"{_default(s, spec.name)} ({s.name})" for s in takers)
-        parser.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar="N",
-                            help=f"{spec.help or spec.name}{_only(takers, reg)}; default {defaults}")
+        text = f"{spec.help or spec.name}{_only(takers, reg)}; default {defaults}"
+        if spec.type is bool:  # an on/off option: a bare flag (--rotate)
+            parser.add_argument(spec.flag, dest=spec.name, action="store_const", const=True, default=None, help=text)
+        else:
+            parser.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar="N", help=text)
 
 
 def _only(takers: list[_schemes.Scheme], reg: Mapping[str, _schemes.Scheme]) -> str:

@@ -107,6 +107,9 @@ __all__ = [
     "block_bytes",
     "dequantize",
     "quantize",
+    "attn_rot_size",
+    "hadamard_blocks",
+    "walsh_hadamard",
 ]
 
 QK = 32
@@ -458,3 +461,42 @@ def dequantize(blocks: GgmlBlocks) -> np.ndarray:
     if not isinstance(blocks, GgmlBlocks):
         raise InputError(f"ggml: dequantize needs GgmlBlocks, got {type(blocks).__name__}")
     return blocks.dequantize()
+
+
+# ---------------------------------------------------------------------------------------------- rotation
+def walsh_hadamard(n: int) -> np.ndarray:
+    """llama.cpp's KV rotation matrix of size ``n`` (a power of two): the Sylvester (natural-order)
+    Walsh-Hadamard matrix scaled by ``1 / sqrt(n)``, no random signs; symmetric and its own inverse. f32."""
+    if n < 1 or n & (n - 1):
+        raise InputError(f"ggml: a Walsh-Hadamard matrix needs a power-of-two size, got {n}")
+    h = np.ones((1, 1), np.float64)
+    while h.shape[0] < n:
+        h = np.block([[h, h], [h, -h]])
+    return (h / np.sqrt(n)).astype(np.float32)
+
+
+def attn_rot_size(head_dim: int, role: str) -> int:
+    """The size of llama.cpp's rotation blocks (src/llama-kv-cache.cpp, since 2026-04; 0 = no rotation):
+    head_dim must be a multiple of 64; keys use the largest power of two >= 64 dividing head_dim, values
+    always 64. (llama.cpp further requires a quantized cache type; the caller checks that.)"""
+    if head_dim <= 0 or head_dim % 64:
+        return 0
+    if role == "value":
+        return 64
+    n = 64
+    while head_dim % (2 * n) == 0:
+        n *= 2
+    return n
+
+
+def hadamard_blocks(x: np.ndarray, h: np.ndarray) -> np.ndarray:
+    """``x [..., D]`` f32 with each contiguous block of ``len(h)`` values along the last axis multiplied by
+    ``h`` (llama.cpp's reshape to ``[n, D/n]`` rows and ``mul_mat`` with the rotation). Each output is a
+    fixed-order sum of products, so a row's result does not depend on how many rows are rotated with it."""
+    n = h.shape[0]
+    d = x.shape[-1]
+    xb = np.asarray(x, np.float32).reshape(x.shape[:-1] + (d // n, n))
+    out = xb[..., 0:1] * h[0]
+    for j in range(1, n):
+        out += xb[..., j:j + 1] * h[j]
+    return out.reshape(x.shape)

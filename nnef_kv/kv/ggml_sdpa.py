@@ -53,6 +53,16 @@ unaffected. A NaN value element makes the output channels of its block NaN for t
 the token (a masked token contributes nothing: no ``0 * NaN``). Infinite scores/values follow f32
 arithmetic. The same holds in the full-precision window, value by value.
 
+**``rotate``** (llama.cpp's attention rotation, on by default there since 2026-04 and turned off by
+``LLAMA_ATTN_ROT_DISABLE=1``; off by default here, ``--rotate`` in ``convert``): when the key type is a
+quantized type (not f16/f32) and head_dim is a multiple of 64, q and k are multiplied block by block along
+head_dim by the Walsh-Hadamard matrix :func:`nnef_kv.kv.ggml.walsh_hadamard` of size
+:func:`~nnef_kv.kv.ggml.attn_rot_size` (the largest power of two >= 64 dividing head_dim) before k is stored;
+when the value type is quantized, v is rotated by 64 x 64 blocks before it is stored and the attention
+output rotated back (the matrix is its own inverse). Scores and outputs are unchanged in real arithmetic;
+only what the blocks quantize changes. The window (``residual``) holds rotated rows too, and
+:meth:`GgmlSdpa.dequantized` returns the rotated basis.
+
 The class works without a graph: ``op = GgmlSdpa(scale=0.125, key_type="q4_0"); y = op(q, k, v)``;
 :mod:`.ops` registers it as ``nnef_kv_ggml_sdpa``.
 """
@@ -89,6 +99,7 @@ class GgmlSdpaConfig:
     residual: int = 0
     is_causal: bool = True
     block_tokens: int = 0  # tokens dequantized at a time; 0: ~1 MiB of f32 per block
+    rotate: bool = False  # llama.cpp's Hadamard rotation of quantized K / V (see the module docstring)
 
     def validate(self, who: str) -> None:
         for nm in ("key_type", "value_type"):
@@ -103,8 +114,9 @@ class GgmlSdpaConfig:
 
     def as_array(self) -> np.ndarray:
         """The config as saved in a state: ggml type ids of K and V, residual, state layout."""
+        extra = [1] if self.rotate else []  # appended only when on: states saved before rotate load unchanged
         return np.array([GGML_TYPE_IDS[self.key_type], GGML_TYPE_IDS[self.value_type], self.residual,
-                         STATE_LAYOUT], np.int64)
+                         STATE_LAYOUT] + extra, np.int64)
 
 
 class _TypedRows:
@@ -186,13 +198,13 @@ class GgmlSdpa(BufferCheckpoint):
 
     def __init__(self, axis: int = 2, scale: float = 0.125, key_type: str = "q8_0", value_type: str = "q8_0",
                  residual: int = 0, is_causal: bool = True, block_tokens: int = 0,
-                 score_budget: int = 1 << 22) -> None:
+                 score_budget: int = 1 << 22, rotate: bool = False) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
         self.cfg = GgmlSdpaConfig(scale=float(scale), key_type=str(key_type).lower(),
                                   value_type=str(value_type).lower(), residual=int(residual),
-                                  is_causal=bool(is_causal), block_tokens=int(block_tokens))
+                                  is_causal=bool(is_causal), block_tokens=int(block_tokens), rotate=bool(rotate))
         self.cfg.validate(self.WHO)
         # bytes of one [kv heads, query rows, tokens] f32 score block (bounds long prefill chunks)
         self.score_budget = int(score_budget)
@@ -214,6 +226,11 @@ class GgmlSdpa(BufferCheckpoint):
         win = max(self.cfg.residual, 1)
         self.res_k = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=win)
         self.res_v = GrowBuffer((n,), (d,), self.fp_dtype, min_chunk=win)
+        c = self.cfg
+        kn = ggml.attn_rot_size(d, "key") if c.rotate and c.key_type not in _FLOAT_TYPES else 0
+        vn = ggml.attn_rot_size(d, "value") if c.rotate and c.value_type not in _FLOAT_TYPES else 0
+        self.k_rot = ggml.walsh_hadamard(kn) if kn else None
+        self.v_rot = ggml.walsh_hadamard(vn) if vn else None
         self._ready = True
 
     @property
@@ -263,6 +280,11 @@ class GgmlSdpa(BufferCheckpoint):
         q, k, v, (b, hq, sq, hkv, snew, d), out_dtype = start_call(self, q, k, v, self._check_call)
         n, g = b * hkv, hq // hkv
         qn = q.astype(np.float32).reshape(n, g, sq, d)  # query head h = kv head * g + i
+        if self.k_rot is not None:  # llama.cpp: q and k rotated alike, before k is stored
+            qn = ggml.hadamard_blocks(qn, self.k_rot)
+            k = ggml.hadamard_blocks(k.astype(np.float32), self.k_rot)
+        if self.v_rot is not None:
+            v = ggml.hadamard_blocks(v.astype(np.float32), self.v_rot)
         with np.errstate(over="ignore"):
             ks = k.reshape(n, snew, d).astype(self.fp_dtype)
             vs = v.reshape(n, snew, d).astype(self.fp_dtype)
@@ -294,6 +316,8 @@ class GgmlSdpa(BufferCheckpoint):
             pos = total - sq + np.arange(sq)
             with np.errstate(invalid="ignore", over="ignore", divide="ignore"):  # NaN/Inf: f32 semantics
                 out = self._attend(qn, pos, segs, causal=self.cfg.is_causal or stepwise)
+                if self.v_rot is not None:  # the output back from the values' rotated basis
+                    out = ggml.hadamard_blocks(out, self.v_rot)
             out = out.reshape(shape).astype(out_dtype)
         else:
             out = np.zeros(shape, out_dtype)

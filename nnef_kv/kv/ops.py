@@ -2,7 +2,7 @@
 
 Each registered class is built once per session as ``cls(**attrs)`` and called ``state(*tensors)``
 per run; the math lives in plain classes (:mod:`.tract_fused`, :mod:`.tract_dyn_cache`,
-:mod:`.kivi`, :mod:`.ggml_sdpa`, :mod:`.hf_quantized`) that work without any graph.
+:mod:`.kivi`, :mod:`.ggml_sdpa`, :mod:`.hf_quantized`, :mod:`.rotated`) that work without any graph.
 """
 from __future__ import annotations
 
@@ -14,11 +14,13 @@ from ..interpreter.registry import stateful
 from .ggml_sdpa import GgmlSdpa
 from .hf_quantized import HfQuantizedSdpa
 from .kivi import KiviSdpa
+from .rotated import RotatedSdpa
 from .tract_dyn_cache import TractQuantizedDynKvCache
 from .tract_fused import TractQuantizedKvSdpa
 
 __all__ = ["QuantizedKvSdpaKernel", "QuantizedDynKvCacheKernel", "KiviSdpaKernel", "GgmlSdpaKernel",
-           "HfQuantizedSdpaKernel", "KIVI_SIGNATURE", "GGML_SDPA_SIGNATURE", "HF_QUANTIZED_SIGNATURE",
+           "HfQuantizedSdpaKernel", "RotatedSdpaKernel", "ROTATED_SIGNATURE",
+           "KIVI_SIGNATURE", "GGML_SDPA_SIGNATURE", "HF_QUANTIZED_SIGNATURE",
            "nnef_kv_signature"]
 
 NNEF_KV_DECL_FILE = Path(__file__).resolve().parents[1] / "grammar" / "nnef_kv_ops.nnef"
@@ -40,6 +42,7 @@ def nnef_kv_signature(name: str) -> str:
 KIVI_SIGNATURE = nnef_kv_signature("nnef_kv_kivi_sdpa")
 GGML_SDPA_SIGNATURE = nnef_kv_signature("nnef_kv_ggml_sdpa")
 HF_QUANTIZED_SIGNATURE = nnef_kv_signature("nnef_kv_hf_quantized_sdpa")
+ROTATED_SIGNATURE = nnef_kv_signature("nnef_kv_rotated_sdpa")
 
 QUANTIZED_KV_SDPA_SIGNATURE = (
     "fragment tract_transformers_quantized_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, "
@@ -86,3 +89,9 @@ class GgmlSdpaKernel(GgmlSdpa):
           describe="Hugging Face QuantizedCache (quanto / HQQ) + attention")
 class HfQuantizedSdpaKernel(HfQuantizedSdpa):
     """``nnef_kv_hf_quantized_sdpa``: Hugging Face ``QuantizedCache`` (quanto / HQQ) + exact attention."""
+
+
+@stateful(ROTATED_SIGNATURE, "nnef_kv", role="attention+kv",
+          describe="nnef-kv rotated-codebook cache (Hadamard + Lloyd-Max, 1..4 bits, f16 norms) + attention")
+class RotatedSdpaKernel(RotatedSdpa):
+    """``nnef_kv_rotated_sdpa`` (declaration in ``nnef_kv/grammar/nnef_kv_ops.nnef``)."""

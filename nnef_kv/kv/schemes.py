@@ -25,11 +25,13 @@ from ..errors import ConversionError
 from . import layer_bits as LB
 from .ggml_sdpa import CACHE_TYPES
 from .kivi import kivi_problem
+from .rotated import rotated_problem
 from .settings import IntSetting, Problem, first_problem
 
 __all__ = ["Scheme", "SCHEMES", "DEFAULT_SCHEME", "AttentionSite", "CacheSite", "OptionSpec", "option", "scheme",
            "scheme_names", "all_options", "schemes_writing", "fixed_bits", "report_settings", "Problem",
-           "KiviOptions", "TractOptions", "TractCacheOptions", "GgmlOptions", "HfOptions", "layer_settings"]
+           "KiviOptions", "TractOptions", "TractCacheOptions", "GgmlOptions", "HfOptions", "RotatedOptions",
+           "layer_settings"]
 
 DEFAULT_SCHEME = "kivi"
 #: attributes a validation report shows for a KV op no scheme writes (nnef_kv_ggml_sdpa, ...)
@@ -107,6 +109,21 @@ class GgmlOptions:
     value_type: str = option("q8_0", "ggml: cache type of the values (llama.cpp -ctv)", type=str)
     residual: int = option(0)
     layer_bits: str = option("", type=str)
+    rotate: bool = option(False, "ggml: llama.cpp's Hadamard rotation of quantized K/V (its default since 2026-04; "
+                                 "LLAMA_ATTN_ROT_DISABLE=1 there is this flag absent)", type=bool)
+
+
+@dataclass(frozen=True)
+class RotatedOptions:
+    """Options of scheme ``rotated`` (checked by :func:`nnef_kv.kv.rotated.rotated_problem`, as the op's)."""
+
+    bits: int = option(4)
+    key_bits: int = option(0)
+    value_bits: int = option(0)
+    residual: int = option(0)
+    sinks: int = option(0)
+    seed: int = option(0, "rotated: seed of the random rotation (signs of the Hadamard matrix)")
+    layer_bits: str = option("", type=str)
 
 
 @dataclass(frozen=True)
@@ -161,6 +178,8 @@ def _layer_rule(scheme_name: str, values: Mapping[str, Any]) -> tuple[Callable[[
         return _bits_value(HF_BITS.get(backend, HF_BITS["quanto"])), False
     if scheme_name == "tract-cache":
         return _bits_value((4, 8)), True
+    if scheme_name == "rotated":
+        return _bits_value((1, 2, 3, 4)), True
     return _bits_value(None), True  # kivi
 
 
@@ -178,7 +197,7 @@ def layer_settings(scheme_obj: "Scheme", options: Any, layer: int) -> tuple[Any,
     name = scheme_obj.name
     if name == "ggml":
         default = (options.key_type, options.value_type)
-    elif name == "kivi":
+    elif name in ("kivi", "rotated"):
         default = (options.key_bits or options.bits, options.value_bits or options.bits)
     else:
         default = (getattr(options, "bits", None),) * 2
@@ -205,7 +224,14 @@ def _ggml_check(values: Mapping[str, Any]) -> Problem | None:
         if k in values and (not isinstance(values[k], str) or values[k].lower() not in CACHE_TYPES):
             return Problem(k, values[k], f"expected one of {', '.join(CACHE_TYPES)}")
     bad = first_problem({k: v for k, v in values.items() if k == "residual"}, {"residual": IntSetting(0)})
+    if bad is None and "rotate" in values and not isinstance(values["rotate"], bool):
+        bad = Problem("rotate", values["rotate"], "expected true or false")
     return bad or _layer_problem("ggml", values)
+
+
+def _rotated_check(values: Mapping[str, Any]) -> Problem | None:
+    bad = rotated_problem(**{k: v for k, v in values.items() if k != "layer_bits"})
+    return bad or _layer_problem("rotated", values)
 
 
 def _hf_check(values: Mapping[str, Any]) -> Problem | None:
@@ -355,8 +381,17 @@ def _kivi_attributes(o: KiviOptions, site: AttentionSite) -> dict[str, Any]:
 
 def _ggml_attributes(o: GgmlOptions, site: AttentionSite) -> dict[str, Any]:
     kt, vt = layer_settings(SCHEMES["ggml"], o, site.layer)
+    extra = {"rotate": True} if o.rotate else {}
     return dict(axis=2, scale=float(site.scale), key_type=kt, value_type=vt, residual=o.residual,
-                is_causal=bool(site.is_causal))
+                is_causal=bool(site.is_causal), **extra)
+
+
+def _rotated_attributes(o: RotatedOptions, site: AttentionSite) -> dict[str, Any]:
+    kb, vb = layer_settings(SCHEMES["rotated"], o, site.layer)
+    vbits: dict[str, Any] = {"value_bits": vb} if vb != kb else {}  # bits = the keys' (value_bits 0 = bits)
+    seed: dict[str, Any] = {"seed": o.seed} if o.seed else {}
+    return dict(axis=2, scale=float(site.scale), bits=kb, **vbits, residual=o.residual, sinks=o.sinks,
+                is_causal=bool(site.is_causal), **seed)
 
 
 def _hf_attributes(o: HfOptions, site: AttentionSite) -> dict[str, Any]:
@@ -406,7 +441,7 @@ SCHEMES: dict[str, Scheme] = {
         "--value-type)", rewrite="attention", options=GgmlOptions, check=_ggml_check,
         make_attributes=_ggml_attributes,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
-        reported=("key_type", "value_type", "residual"),
+        reported=("key_type", "value_type", "residual", "rotate"), reported_unless={"rotate": False},
         doc="llama.cpp's -ctk/-ctv KV cache: every token's K and V rows in ggml blocks of 32 along head_dim "
             "(bit-exact with ggml's reference quantizers), no full-precision window unless --residual"),
     "hf": Scheme(
@@ -417,6 +452,15 @@ SCHEMES: dict[str, Scheme] = {
         reported=("backend", "bits", "group_size", "residual", "axis_key", "axis_value"),
         doc="transformers 5.x QuantizedCache: the prefill attends exactly and is stored quantized, later calls "
             "read the dequantized store, the residual re-quantizes the whole history when full (HF's defaults)"),
+    "rotated": Scheme(
+        name="rotated", op="nnef_kv_rotated_sdpa", summary="nnef_kv_rotated_sdpa (random-sign Hadamard + "
+        "Lloyd-Max codebook, 1..4 bits, one f16 norm a vector)", rewrite="attention", options=RotatedOptions,
+        check=_rotated_check, make_attributes=_rotated_attributes,
+        mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
+        reported=("bits", "value_bits", "residual", "sinks"), reported_unless={"value_bits": 0},
+        window=lambda o: o.sinks + o.residual,
+        doc="nnef-kv's rotated-codebook op: each key/value vector rotated (seeded random-sign Hadamard), its norm "
+            "in f16, its coordinates coded against a Lloyd-Max codebook; attention reads the codes directly"),
 }
 
 

@@ -53,8 +53,8 @@ __all__ = ["LADDERS", "AutoBitsResult", "auto_bits", "knapsack"]
 
 LADDERS: dict[str, tuple[Any, ...]] = {
     "kivi": (2, 3, 4, 5, 6, 8), "ggml": ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0"), "hf": (2, 4),
-    "hf-hqq": (1, 2, 3, 4, 8), "tract-cache": (4, 8)}
-SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True}
+    "hf-hqq": (1, 2, 3, 4, 8), "tract-cache": (4, 8), "rotated": (2, 3, 4)}
+SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True, "rotated": True}
 GRID = 4000
 ROUNDS = 6  # verification rounds (two candidates each)
 REFINE_ROUNDS = 12  # measured local-search rounds after them (two candidates each)

@@ -29,8 +29,11 @@ DEFAULT_SCHEMES = ("kivi:8,kivi:4,kivi:2,kivi:4/2,kivi:4+key_axis=token,q8_0,q5_
                    "hf:4,hf:2,tract,tract-cache:8,tract-cache:4")
 #: the per-context keys of a row in report.json (with ``scheme``, ``status``, ``tract_runs``)
 ROW_KEYS = ("bits_per_value", "kv_bytes", "kv_bytes_used", "kv_bytes_f32", "kv_ratio", "kl_mean", "kl_mean_stderr",
-            "kl_p99", "ppl_ratio", "top1_agreement", "tokens_reading_quantized", "quantized_tokens",
-            "full_precision_tokens", "eval_tokens")
+            "kl_mean_ci95", "kl_p99", "ppl_ratio", "ppl_ratio_ci95", "top1_agreement", "top1_agreement_ci95",
+            "tokens_reading_quantized", "quantized_tokens", "full_precision_tokens", "eval_tokens", "predictions",
+            "nonfinite_predictions", "kl_diff", "kl_diff_ci95", "kl_diff_significant", "pareto")
+#: the figures of a context that come from validate's summary (the others are added here)
+_SUMMARY_KEYS = ROW_KEYS[:-4]
 
 
 # ---------------------------------------------------------------------------------------------- specs
@@ -59,10 +62,12 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
 
     ``NAME`` is a registered scheme (``kivi``, ``tract``, ``tract-cache``, ``ggml``, ``hf``) or a llama.cpp
     cache type (``q8_0``: scheme ``ggml`` with that type for keys and values). ``SETTING`` is the bits
-    (``kivi:4``, ``hf:2``, ``tract-cache:8``), ``KEY/VALUE`` bits for kivi (``kivi:4/2``), or the cache
+    (``kivi:4``, ``hf:2``, ``tract-cache:8``, ``rotated:3``), ``KEY/VALUE`` bits for kivi and rotated
+    (``kivi:4/2``, ``rotated:4/3``), or the cache
     types for ggml (``ggml:q4_0/q8_0``, also written ``q4_0/q8_0``). ``+option=value`` sets any option of
     the scheme by its ``convert`` name (``kivi:4+residual=64+key_axis=token``, ``hf:4+backend=hqq``; a
-    ``;`` in a value is a comma: ``kivi+layer_bits=8;4/2;4``).
+    ``;`` in a value is a comma: ``kivi+layer_bits=8;4/2;4``); ``+rotate`` alone is ``+rotate=true``
+    (llama.cpp's rotation for the ggml types: ``q4_0+rotate``).
     Checked against the scheme's own rules (one line naming the entry)."""
     from ..kv import schemes as S
     from ..kv.ggml_sdpa import CACHE_TYPES
@@ -90,12 +95,16 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
                 bits = [int(h) for h in halves]
             except ValueError:
                 raise InputError(f"{flag} {raw!r}: {setting!r} is not a bit width (or KEY/VALUE bits)") from None
-            if len(bits) == 2 and name != "kivi":
-                raise InputError(f"{flag} {raw!r}: KEY/VALUE bits are for kivi (scheme {name} has one bit width)")
+            if len(bits) == 2 and name not in ("kivi", "rotated"):
+                raise InputError(f"{flag} {raw!r}: KEY/VALUE bits are for kivi and rotated (scheme {name} has one "
+                                 f"bit width)")
             opts["bits"] = bits[0]
             if len(bits) == 2 and bits[1] != bits[0]:
                 opts["value_bits"] = bits[1]
     for ex in extras:
+        if ex.strip().lower() == "rotate":  # q4_0+rotate: an on/off option given bare
+            opts["rotate"] = True
+            continue
         k, eq, v = ex.partition("=")
         if not eq or not k.strip():
             raise InputError(f"{flag} {raw!r}: {ex!r} is not option=value")
@@ -129,13 +138,21 @@ def parse_specs(text: str | Sequence[str], flag: str = "--schemes") -> list[Sche
 @dataclass
 class CompareOptions:
     contexts: list[int] | None = None
-    eval_tokens: int = 64
+    eval_tokens: int | None = None  # per window; None: validate's default (512, capped)
     chunk: int | None = None
     tract: bool = True  # measure whether tract loads and runs each converted archive
+    windows: int | None = None  # None: validate's default
+    windows_seed: int = 0
+    baseline: str | None = None  # the row KL differences are measured against (None: the lowest mean KL)
 
-    def validate_options(self, contexts: list[int]) -> ValidateOptions:
-        return ValidateOptions(contexts=contexts, eval_tokens=self.eval_tokens, chunk=self.chunk, parity=self.tract,
-                               round_trip=False)
+    def plan_options(self) -> ValidateOptions:
+        return ValidateOptions(contexts=self.contexts, eval_tokens=self.eval_tokens, chunk=self.chunk,
+                               windows=self.windows, windows_seed=self.windows_seed)
+
+    def validate_options(self, contexts: list[int], eval_tokens: int | None = None,
+                         starts: list[int] | None = None) -> ValidateOptions:
+        return ValidateOptions(contexts=contexts, eval_tokens=eval_tokens or self.eval_tokens, chunk=self.chunk,
+                               parity=self.tract, round_trip=False, starts=starts)
 
 
 @dataclass
@@ -162,10 +179,11 @@ class SchemeRow:
         return (rank, last.get("kv_bytes", math.inf), kl if kl is not None else math.inf, self.scheme)
 
     def to_dict(self, contexts: list[int]) -> dict[str, Any]:
+        per = [{k: v for k, v in c.items() if k != "kl_tokens"} for c in self.per_context]
         d: dict[str, Any] = {"scheme": self.scheme, "status": self.status, "reason": self.reason,
-                             "settings": self.settings, "tract_runs": self.tract_runs,
-                             "tract_detail": self.tract_detail,
-                             "contexts": list(contexts), "per_context": self.per_context, "seconds": self.seconds}
+                             "short_reason": short_reason(self.reason), "settings": self.settings,
+                             "tract_runs": self.tract_runs, "tract_detail": self.tract_detail,
+                             "contexts": list(contexts), "per_context": per, "seconds": self.seconds}
         for k in ROW_KEYS:
             vals = {str(c): self.at(c).get(k) for c in contexts}
             d[k] = vals[str(contexts[0])] if len(contexts) == 1 else vals
@@ -182,11 +200,20 @@ class CompareReport:
     notes: list[str] = field(default_factory=list)
     runner: str = ""  # "process pool (N workers)" / "ray ..."
     seconds: float = 0.0
+    starts: list[int] = field(default_factory=list)  # each window's first predicted token (text index)
+    baseline: dict[int, str] = field(default_factory=dict)  # context -> the row KL differences are measured against
+    interrupted: bool = False  # Ctrl-C: the rows measured before it, the others "not run"
+
+    @property
+    def predictions(self) -> int:
+        return self.eval_tokens * max(len(self.starts), 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {"format": "nnef-kv-compare", "version": 1, "archive": self.archive, "tokens": self.tokens,
-                "contexts": self.contexts, "eval_tokens": self.eval_tokens, "notes": self.notes,
-                "runner": self.runner, "seconds": self.seconds,
+        return {"format": "nnef-kv-compare", "version": 2, "archive": self.archive, "tokens": self.tokens,
+                "contexts": self.contexts, "eval_tokens": self.eval_tokens, "windows": len(self.starts),
+                "window_starts": self.starts, "predictions": self.predictions,
+                "baseline": {str(k): v for k, v in self.baseline.items()}, "interrupted": self.interrupted,
+                "notes": self.notes, "runner": self.runner, "seconds": self.seconds,
                 "rows": [r.to_dict(self.contexts) for r in self.rows]}
 
 
@@ -201,14 +228,21 @@ class JobInput:
     options: CompareOptions
     contexts: list[int]
     reference_runs: dict[int, Measurement]
+    eval_tokens: int = 0  # per window
+    starts: list[int] = field(default_factory=list)  # each window's first predicted token
+    plan: Any = None  # the runner's Plan (all windows; ``starts`` may be a part of them)
 
 
 def _context_figures(res: Any) -> dict[str, Any]:
     s = res.summary()
-    out = {"context": res.context}
-    for k in ROW_KEYS:
+    out: dict[str, Any] = {"context": res.context}
+    for k in _SUMMARY_KEYS:
         if k != "bits_per_value":
             out[k] = s.get(k)
+    tm = res.token_measures()
+    if tm is not None:  # per prediction (NaN where a side's logits were not finite): the paired differences
+        fin = res.finite_rows()
+        out["kl_tokens"] = [float(x) if f else math.nan for x, f in zip(tm["kl"], fin)]
     f32 = s.get("kv_bytes_f32") or 0
     out["bits_per_value"] = 32.0 * s["kv_bytes"] / f32 if f32 else None
     out["tokens_reading_quantized"] = res.reads_quantized
@@ -275,7 +309,8 @@ def run_job(job: JobInput, spec: SchemeSpec, progress: Callable[[], None] | None
     tick()
     source = TokenSource(ids=list(job.ids), option="--text", description=job.tokens)
     try:
-        rep = validate_model(converted, job.model, source, job.options.validate_options(job.contexts),
+        rep = validate_model(converted, job.model, source,
+                             job.options.validate_options(job.contexts, job.eval_tokens or None, job.starts or None),
                              progress=tick, reference_runs=dict(job.reference_runs))
     except NnefKvError as exc:
         row.reason = f"measure: {exc}"
@@ -302,28 +337,51 @@ def worker_died(spec: SchemeSpec, exc: BaseException) -> SchemeRow:
     return SchemeRow(spec.text, "failed", why)
 
 
-def job_steps(options: CompareOptions, contexts: list[int]) -> int:
-    """Progress steps of one job: convert, the prefill and the stepwise run of each context, tract, done."""
-    return 2 + 2 * len(contexts) + (2 if options.tract else 0)
+def job_steps(options: CompareOptions, contexts: list[int], windows: int = 1) -> int:
+    """Progress steps of one job: convert, the prefill and the stepwise run of each context and window,
+    tract (one window), done."""
+    return 2 + 2 * len(contexts) * windows + (2 if options.tract else 0)
 
 
 # ---------------------------------------------------------------------------------------------- all of it
+def spec_windows(model: Any, specs: Sequence[SchemeSpec]) -> list[int]:
+    """The full-precision window of each scheme's KV ops (converted in memory, as the jobs will; a scheme
+    the converter refuses counts 0: its row will say why): the default context follows the same rule as
+    ``validate`` of the converted archive."""
+    from ..converters import convert
+    from .runner import _decoder, _kv_op_settings
+
+    out = []
+    for spec in specs:
+        try:
+            converted, _ = convert(model, scheme=spec.scheme, **spec.kwargs)
+            out += [k["fp_window"] for k in _kv_op_settings(_decoder(converted, False, spec.text))]
+        except NnefKvError:
+            continue
+    return out
+
+
 def prepare(model: Any, source: Any, options: CompareOptions, label: str,
-            names: dict[str, str] | None = None) -> tuple[JobInput, list[str]]:
-    """The checks made before any job (one line each), the contexts and the reference runs."""
-    from .runner import _decoder, _measure, max_positions, resolve_contexts, vocab_size
+            names: dict[str, str] | None = None, windows: list[int] | None = None,
+            split: int | None = None) -> tuple[JobInput, list[str]]:
+    """The checks made before any job (one line each), the plan (validate's rule: :func:`~.runner.resolve_plan`,
+    from ``windows``, the KV ops' full-precision windows) and the reference runs. ``split``: the job gets the
+    plan's first ``split`` windows only (auto-bits keeps the others for its held-out check)."""
+    from .runner import _decoder, _measure, max_positions, resolve_plan, vocab_size
 
     ref_dec = _decoder(model, capture=True, what=label)
     held = ref_dec.quantized_ops()
     if held:
         raise InputError(f"{label}: holds a quantized KV cache already ({held[0][0].op} '{held[0][0].name}'): "
                          f"compare converts the f32 archive")
-    vo = ValidateOptions(contexts=options.contexts, eval_tokens=options.eval_tokens, chunk=options.chunk).check(names)
+    vo = options.plan_options().check(names)
     source.check_vocabulary(vocab_size(ref_dec.session, ref_dec.sig))
-    contexts, notes = resolve_contexts(vo, len(source.ids), max_positions(ref_dec.session), [], names)
-    runs = {c: _measure(ref_dec, source.ids, c, options.eval_tokens, options.chunk, None) for c in contexts}
-    return JobInput(_portable(model), list(source.ids), source.description, options, contexts, runs), \
-        list(source.notes) + notes
+    plan = resolve_plan(vo, len(source.ids), max_positions(ref_dec.session), list(windows or []), names)
+    starts = plan.starts[:split] if split else plan.starts
+    runs = {c: _measure(ref_dec, source.ids, c, plan.eval_tokens, options.chunk, None, starts) for c in plan.contexts}
+    job = JobInput(_portable(model), list(source.ids), source.description, options, plan.contexts, runs,
+                   plan.eval_tokens, starts, plan)
+    return job, list(source.notes) + plan.notes
 
 
 def _portable(model: Any) -> Any:
@@ -341,17 +399,95 @@ def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options:
     """Measure every scheme of ``specs`` on ``model`` (the f32 Model) with the tokens of ``source``."""
     from .jobs import connect_ray, run_tasks
 
+    from .jobs import Interrupted
+
     o = options or CompareOptions()
     t0 = time.perf_counter()
     if ray is not None:
         connect_ray(ray)  # an unreachable cluster is refused before any work
-    job, notes = prepare(model, source, o, label, names)
-    rows, runner = run_tasks(run_job, job, list(specs), [s.text for s in specs], jobs=jobs, ray=ray,
-                             steps=job_steps(o, job.contexts), show_progress=show_progress, title="compare",
-                             on_error=worker_died)
-    rows.sort(key=SchemeRow.sort_key)
-    return CompareReport(archive=label, tokens=source.description, contexts=job.contexts, eval_tokens=o.eval_tokens,
-                         rows=rows, notes=notes, runner=runner, seconds=time.perf_counter() - t0)
+    if o.baseline is not None and o.baseline not in [s.text for s in specs]:
+        raise InputError(f"{(names or {}).get('baseline', '--baseline')} {o.baseline!r}: not one of the schemes "
+                         f"({', '.join(s.text for s in specs)})")
+    job, notes = prepare(model, source, o, label, names, windows=None if o.contexts else spec_windows(model, specs))
+    interrupted = False
+    try:
+        rows, runner = run_tasks(run_job, job, list(specs), [s.text for s in specs], jobs=jobs, ray=ray,
+                                 steps=job_steps(o, job.contexts, len(job.starts)), show_progress=show_progress,
+                                 title="compare", on_error=worker_died)
+    except Interrupted as stop:  # Ctrl-C: keep the rows measured
+        interrupted, runner = True, stop.where
+        rows = [r if r is not None else SchemeRow(sp.text, "failed", "not run: interrupted (Ctrl-C)")
+                for r, sp in zip(stop.results, specs)]
+        notes.append(f"interrupted (Ctrl-C): {sum(r is not None for r in stop.results)} of {len(specs)} schemes "
+                     f"measured, the others not run")
+    rep = CompareReport(archive=label, tokens=source.description, contexts=job.contexts, eval_tokens=job.eval_tokens,
+                        rows=rows, notes=notes, runner=runner, seconds=time.perf_counter() - t0,
+                        starts=list(job.starts), interrupted=interrupted)
+    paired(rep, o.baseline)
+    rep.rows.sort(key=SchemeRow.sort_key)
+    return rep
+
+
+def short_reason(reason: str) -> str:
+    """A failure's cause in a few words: the last clause of ``stage: path: ... : cause`` (the path and the
+    stage dropped), for the table; report.md and report.json keep the whole reason."""
+    if not reason:
+        return ""
+    stage, _, rest = reason.partition(": ")
+    parts = [p.strip() for p in (rest or stage).split(": ") if p.strip()]
+    keep = [p for p in parts if "/" not in p and not p.endswith((".nnef", ".tgz", ".tar"))] or parts
+    text = keep[-1] if len(keep[-1]) > 24 or len(keep) == 1 else ": ".join(keep[-2:])
+    return (stage + ": " if rest and stage in ("convert", "measure") else "") + text
+
+
+def paired(rep: CompareReport, baseline: str | None = None) -> None:
+    """Per context: each measured row's KL difference to the baseline row (``baseline``, else the row of lowest
+    mean KL), on the same predictions, with its paired 95% interval; and the significant Pareto front
+    (:func:`significant_front`)."""
+    from .statistics import paired_interval
+
+    groups = np.repeat(np.arange(max(len(rep.starts), 1)), rep.eval_tokens)
+    for ctx in rep.contexts:
+        rows = [r for r in rep.rows if r.status == "measured" and r.at(ctx).get("kl_tokens") is not None]
+        if not rows:
+            continue
+        base = next((r for r in rows if r.scheme == baseline), None) if baseline else None
+        if base is None:
+            base = min(rows, key=lambda r: (r.at(ctx)["kl_mean"] if finite(r.at(ctx).get("kl_mean")) else math.inf))
+        rep.baseline[ctx] = base.scheme
+        ref = np.asarray(base.at(ctx)["kl_tokens"], np.float64)
+        for r in rows:
+            s = r.at(ctx)
+            mine = np.asarray(s["kl_tokens"], np.float64)
+            iv = paired_interval(mine, ref, groups[:len(mine)]) if len(mine) == len(ref) else None
+            s["kl_diff"] = None if iv is None else iv.mean
+            s["kl_diff_ci95"] = None if iv is None else iv.pair
+            s["kl_diff_significant"] = None if iv is None else bool(iv.excludes_zero())
+        front = significant_front(rows, ctx, groups)
+        for r, on in zip(rows, front):
+            r.at(ctx)["pareto"] = on
+
+
+def significant_front(rows: list[SchemeRow], ctx: int, groups: np.ndarray) -> list[bool]:
+    """The Pareto front that a re-run would not reorder: a row is off it only when another holds no more KV
+    bytes and a mean KL lower by a paired 95% interval that excludes zero (a difference within the noise
+    dominates nothing)."""
+    from .statistics import paired_interval
+
+    kl = [np.asarray(r.at(ctx)["kl_tokens"], np.float64) for r in rows]
+    size = [float(r.at(ctx).get("kv_bytes") or math.inf) for r in rows]
+    out = []
+    for i in range(len(rows)):
+        dominated = False
+        for j in range(len(rows)):
+            if j == i or size[j] > size[i] or len(kl[j]) != len(kl[i]):
+                continue
+            iv = paired_interval(kl[i], kl[j], groups[:len(kl[i])])
+            if iv is not None and iv.low > 0:
+                dominated = True
+                break
+        out.append(not dominated)
+    return out
 
 
 def pareto_front(points: list[tuple[float, float]]) -> list[bool]:

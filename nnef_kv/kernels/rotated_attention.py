@@ -1,0 +1,52 @@
+"""The two loops of the rotated-codebook attention (``nnef_kv_rotated_sdpa``) over packed codes: numba beside
+a NumPy reference (the reference is the tests' oracle; ``NNEF_KV_NO_NUMBA=1`` runs it).
+
+The codes are :class:`~nnef_kv.kv.packing.RowCodec` rows (``bits`` 1, 2, 4: planar, byte ``j`` of a row holds the
+codes of coordinates ``j, j + m, j + 2m, ...`` in its bit fields, ``m`` = bytes a row; 3 bits: a bitstream),
+``codes [n, T, m]`` uint8, one row per token and kv head; ``cb`` the codebook (``2**bits`` f32 points).
+
+* :func:`code_scores` ``(qr [n, M, D], codes, norms [n, T], cb, bits, d) -> [n, M, T]``: ``norm_t * sum_j
+  qr_j cb[code_tj]``, the raw score of every coded token for each (rotated) query row.
+* :func:`code_values` ``(w [n, M, T], codes, cb, bits, d) -> [n, M, D]``: ``sum_t w_t cb[code_t]``, the
+  coded values accumulated in the rotated basis (``w`` = softmax weight x norm).
+
+numba (``_rotated_jit``), planar layouts: for each query row a table ``L[j, b]`` = the contribution of byte
+value ``b`` at byte ``j`` (``sum_k qr[j + k m] cb[field_k(b)]``, 256 entries a byte) is built once, and a token's
+score is ``m`` lookups and adds; the values use the transpose of that idea, a weight histogram ``H[j, b] += w_t``
+(``m`` adds a token), turned into the ``D`` outputs once at the end. 3 bits: each token's codebook row
+decoded once and dotted with (or added to) every query row. The sums are the reference's up to the order of
+the f32 additions; NaN and Inf propagate as IEEE arithmetic does in any order (no fastmath).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..kv.packing import RowCodec
+from . import kernel
+
+__all__ = ["code_scores", "code_values", "decode"]
+
+
+def decode(codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
+    """``cb[code]`` of every coordinate, ``[n, T, D]`` f32."""
+    return np.asarray(cb, np.float32)[RowCodec(bits, d).unpack(codes)]
+
+
+@kernel("nnef_kv.kernels._rotated_jit:code_scores")
+def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.ndarray, bits: int, d: int
+                ) -> np.ndarray:
+    """``[n, M, T]`` f32: ``norms[n, t] * sum_j qr[n, m, j] * cb[codes[n, t, j]]`` (reference: the codes
+    decoded, a matmul)."""
+    dec = decode(codes, cb, bits, d)
+    s = np.matmul(np.asarray(qr, np.float32), dec.swapaxes(1, 2))
+    with np.errstate(invalid="ignore", over="ignore"):
+        s *= np.asarray(norms, np.float32)[:, None, :]
+    return s
+
+
+@kernel("nnef_kv.kernels._rotated_jit:code_values")
+def code_values(w: np.ndarray, codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
+    """``[n, M, D]`` f32: ``sum_t w[n, m, t] * cb[codes[n, t, :]]`` (reference: decoded, a matmul)."""
+    dec = decode(codes, cb, bits, d)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.matmul(np.asarray(w, np.float32), dec)
