@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import GraphError, StateError
 from ..interpreter.coerce import as_float, norm_axis, parse_datum_type
+from . import blocked
 from .common import BufferCheckpoint, GrowBuffer, stepwise_loop
 
 __all__ = ["causal_mask", "sdpa_array", "DynKvCache", "WindowKvSdpa"]
@@ -34,6 +35,39 @@ def causal_mask(q_len: int, kv_len: int) -> np.ndarray:
     rows = np.arange(q_len)[:, None]
     cols = np.arange(kv_len)[None, :]
     return cols <= rows + past
+
+
+def _sdpa_rows(qr: np.ndarray, kf: np.ndarray, vf: np.ndarray, m5: np.ndarray | None, g: int, i0: int, i1: int,
+               past: int, s: float, is_causal: bool, work: np.dtype) -> np.ndarray:
+    """Attention of the query rows ``i0:i1`` of every group, ``qr [B, Hkv, g*(i1-i0), D]`` (group-major),
+    over ``kf, vf [B, Hkv, T, D]`` (``past``: the absolute position of query 0 minus the keys before key 0;
+    ``m5``: the additive mask's rows of this block, ``[B|1, Hkv|1, g|1, rows|1, T|1]``). Returns
+    ``[B, Hkv, g*(i1-i0), Dv]``."""
+    m = i1 - i0
+    t = kf.shape[2]
+    scores = np.matmul(qr, np.swapaxes(kf, -1, -2))  # a fresh array: updated in place
+    scores *= work.type(s)
+    if is_causal:
+        if past < 0 or i1 - i0 > 1 or i0 > 0:  # one query row at the end sees every key: nothing to mask
+            rows = np.arange(g * m) % m + i0
+            hidden = np.arange(t)[None, :] > (rows + past)[:, None]
+            np.copyto(scores, work.type(-np.inf), where=hidden)
+    elif m5 is not None:
+        s5 = scores.reshape(scores.shape[0], scores.shape[1], g, m, t)
+        if np.broadcast_shapes(s5.shape, m5.shape) == s5.shape:
+            s5 += m5
+        else:
+            scores = (s5 + m5).reshape(-1, scores.shape[1], g * m, t)
+    if masked := (m5 is not None or (is_causal and past < 0)):
+        err = np.seterr(invalid="ignore")  # a fully masked row gives NaN, as in tract 0.23.9
+    try:  # ufunc reductions called directly: np.max / np.sum add a Python layer per call
+        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
+        np.exp(scores, out=scores)
+        scores /= np.add.reduce(scores, axis=-1, keepdims=True)
+    finally:
+        if masked:
+            np.seterr(**err)
+    return np.matmul(scores, vf)
 
 
 def sdpa_array(
@@ -78,19 +112,10 @@ def sdpa_array(
     g = hq // hkv
     s = (1.0 / math.sqrt(d)) if scale is None else float(scale)
     dv = v.shape[-1]
-    # query groups folded into rows: [B, Hkv, g*Sq, D] @ [B, Hkv, D, Skv], one batched product per KV head
-    qf = (q if q.dtype == work else q.astype(work)).reshape(b, hkv, g * sq, d)
     kf = k if k.dtype == work else k.astype(work)
     vf = v if v.dtype == work else v.astype(work)
-    scores = np.matmul(qf, np.swapaxes(kf, -1, -2))  # [B, Hkv, g*Sq, Skv], a fresh array: updated in place
-    scores *= work.type(s)
-    if is_causal:
-        past = skv - sq
-        if past < 0 or sq > 1:  # one query row at the end sees every key: nothing to mask
-            rows = np.arange(g * sq) % sq
-            blocked = np.arange(skv)[None, :] > (rows + past)[:, None]
-            np.copyto(scores, work.type(-np.inf), where=blocked)
-    elif mask is not None:
+    m5 = None
+    if mask is not None and not is_causal:
         m = np.asarray(mask)
         if m.dtype.kind != "f":
             # tract 0.23.9 refuses it too (FlashSDPA: "Mask must be floating point")
@@ -104,21 +129,29 @@ def sdpa_array(
             m5 = m.reshape(m.shape[0], hkv, g, m.shape[2], m.shape[3])
         else:
             raise GraphError(f"{where}: mask heads ({m.shape[1]}) must be 1 or {hq}")
-        s5 = scores.reshape(b, hkv, g, sq, skv)
-        if np.broadcast_shapes(s5.shape, m5.shape) == s5.shape:
-            s5 += m5
-        else:
-            scores = (s5 + m5).reshape(-1, hkv, g * sq, skv)
-    if masked := (mask is not None or (is_causal and skv < sq)):
-        err = np.seterr(invalid="ignore")  # a fully masked row gives NaN, as in tract 0.23.9
-    try:  # ufunc reductions called directly: np.max / np.sum add a Python layer per call
-        scores -= np.maximum.reduce(scores, axis=-1, keepdims=True)
-        np.exp(scores, out=scores)
-        scores /= np.add.reduce(scores, axis=-1, keepdims=True)
-    finally:
-        if masked:
-            np.seterr(**err)
-    out = np.matmul(scores, vf).reshape(scores.shape[0], hq, sq, dv)
+    qw = q if q.dtype == work else q.astype(work)
+    bq = blocked.row_block(b * hq * skv * work.itemsize, sq)
+    if is_causal and sq >= 2 * blocked.CAUSAL_ROWS and 2 * sq > skv:
+        bq = min(bq, max(blocked.CAUSAL_ROWS, -(-sq // blocked.CAUSAL_BLOCKS)))  # blocks that skip unseen keys
+    if bq >= sq:  # one block: query groups folded into rows, [B, Hkv, g*Sq, D] @ [B, Hkv, D, Skv]
+        out = _sdpa_rows(qw.reshape(b, hkv, g * sq, d), kf, vf, m5, g, 0, sq, skv - sq, s, is_causal, work)
+        out = out.reshape(out.shape[0], hq, sq, dv)
+    else:  # blocks of query rows: the scores of one block at a time (a long prefill)
+        past = skv - sq
+        # a causal block leaves out the keys none of its rows sees (exact zeros in one call), unless a value
+        # there is not finite (one call multiplies it by zero: NaN); the keys stay as they are
+        cut = is_causal and bool(np.isfinite(vf).all())
+        q5 = qw.reshape(b, hkv, g, sq, d)
+        out5 = None
+        for i0, i1 in blocked.row_ranges(sq, bq):
+            t = min(skv, max(1, past + i1)) if cut else skv
+            mb = None if m5 is None else (m5 if m5.shape[3] == 1 else m5[:, :, :, i0:i1])  # never with a cut
+            qb = q5[:, :, :, i0:i1].reshape(b, hkv, g * (i1 - i0), d)
+            ob = _sdpa_rows(qb, kf[:, :, :t], vf[:, :, :t], mb, g, i0, i1, past, s, is_causal, work)
+            if out5 is None:
+                out5 = np.empty((ob.shape[0], hkv, g, sq, dv), ob.dtype)
+            out5[:, :, :, i0:i1] = ob.reshape(ob.shape[0], hkv, g, i1 - i0, dv)
+        out = out5.reshape(out5.shape[0], hq, sq, dv)
     if rank == 3:
         out = out[:, 0]
     return out if out.dtype == out_dtype else out.astype(out_dtype)

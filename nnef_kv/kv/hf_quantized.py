@@ -128,6 +128,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
+from . import blocked
 from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, start_call
 from .hf_quantizers import (QStore, hqq_dequantize, hqq_pack, hqq_packed_shape, hqq_quantize, hqq_rows, hqq_unpack,
                             quanto_dequantize, quanto_grouped_shape, quanto_param_axis, quanto_quantize)
@@ -327,26 +328,48 @@ class HfQuantizedSdpa(BufferCheckpoint):
     # ------------------------------------------------------------------------- attention
     def _attend(self, q: np.ndarray, kr: np.ndarray, vr: np.ndarray, causal: bool | None = None) -> np.ndarray:
         """Exact softmax attention in f32 of ``q [B, Hq, Sq, D]`` over ``kr, vr [B, Hkv, T, D]``
-        (``causal``: bottom-right causal mask; default ``is_causal``)."""
+        (``causal``: bottom-right causal mask; default ``is_causal``). Scores above
+        :data:`~.blocked.SCORE_BYTES` are computed in blocks of query rows (a causal block over the keys
+        its rows see: the others contribute nothing either way)."""
         b, hq, sq, d = q.shape
         hkv, t = kr.shape[1], kr.shape[2]
         g = hq // hkv
         if sq == 0 or t == 0:
             return np.zeros(q.shape, np.float32)
-        qn = q.astype(np.float32).reshape(b, hkv, g * sq, d)
+        causal = (self.cfg.is_causal if causal is None else causal) and sq > 1
         k32 = kr.astype(np.float32)
         v32 = vr.astype(np.float32)
+        bq = blocked.row_block(b * hq * t * 4, sq)
+        if causal and sq >= 2 * blocked.CAUSAL_ROWS and 2 * sq > t:
+            bq = min(bq, max(blocked.CAUSAL_ROWS, -(-sq // blocked.CAUSAL_BLOCKS)))  # blocks that skip unseen keys
+        if bq >= sq:
+            qpos = (t - sq) + (np.arange(g * sq) % sq) if causal else None
+            out = self._attend_rows(q.astype(np.float32).reshape(b, hkv, g * sq, d), k32, v32, qpos)
+            return out.reshape(b, hq, sq, d)
+        q5 = q.astype(np.float32).reshape(b, hkv, g, sq, d)
+        out5 = np.empty((b, hkv, g, sq, d), np.float32)
+        for i0, i1 in blocked.row_ranges(sq, bq):
+            m = i1 - i0
+            qpos = (t - sq) + i0 + (np.arange(g * m) % m) if causal else None
+            tb = min(t, max(1, t - sq + i1)) if causal else t
+            ob = self._attend_rows(q5[:, :, :, i0:i1].reshape(b, hkv, g * m, d), k32[:, :, :tb], v32[:, :, :tb], qpos)
+            out5[:, :, :, i0:i1] = ob.reshape(b, hkv, g, m, d)
+        return out5.reshape(b, hq, sq, d)
+
+    def _attend_rows(self, qn: np.ndarray, k32: np.ndarray, v32: np.ndarray, qpos: np.ndarray | None) -> np.ndarray:
+        """``qn [B, Hkv, R, D]`` (f32) attending over ``k32, v32 [B, Hkv, T, D]``; ``qpos``: each row's
+        absolute position under a causal mask (row ``r`` sees keys ``0..=qpos[r]``), None: every key."""
+        t = k32.shape[2]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = np.matmul(qn, k32.swapaxes(-1, -2))
             s *= np.float32(self.cfg.scale)
             keep = None
-            if (self.cfg.is_causal if causal is None else causal) and sq > 1:
-                qpos = (t - sq) + (np.arange(g * sq) % sq)
-                keep = np.arange(t)[None, :] <= qpos[:, None]  # [g*Sq, T]
+            if qpos is not None:
+                keep = np.arange(t)[None, :] <= qpos[:, None]  # [R, T]
                 s[:, :, ~keep] = -np.inf
             mx = s.max(axis=-1, keepdims=True)
             mx = np.where(mx == -np.inf, np.float32(0), mx)
-            p = np.exp(s - mx)
+            p = np.exp(np.subtract(s, mx, out=s), out=s)  # in place: one score block at a time
             ls = p.sum(axis=-1, keepdims=True)
             fin = np.isfinite(v32)
             if fin.all() or keep is None:
@@ -357,8 +380,7 @@ class HfQuantizedSdpa(BufferCheckpoint):
                 val = v32[bb, hh, tt, cc]
                 contrib = np.where(keep[:, tt].T, p[bb, hh, :, tt] * val[:, None], np.float32(0))  # [cnt, rows]
                 np.add.at(out.transpose(0, 1, 3, 2), (bb, hh, cc), contrib)
-            out = np.where(ls > 0, out / np.where(ls > 0, ls, 1), np.float32(0)) if (ls == 0).any() else out / ls
-        return out.reshape(b, hq, sq, d)
+            return np.where(ls > 0, out / np.where(ls > 0, ls, 1), np.float32(0)) if (ls == 0).any() else out / ls
 
     # ------------------------------------------------------------------------- protocol
     @property

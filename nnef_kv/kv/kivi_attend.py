@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from . import blocked
 from .common import GrowBuffer, causal_keep, f16_to_f32, softmax_numerators
 from .kivi_parts import View, as32, finite_part
 
@@ -102,7 +103,15 @@ class KiviAttention:
         path, large ones (long prefill chunks) the online softmax; both read the codes block by block."""
         if self.b * self.hkv * q.shape[1] * view.total * 4 <= self.score_budget:
             return self._attend_two_pass(q, sq, h0, h1, slot, view)
-        return self._attend_online(q, sq, h0, h1, slot, view)
+        # the online path holds, per block of tokens, scores, probabilities and the query times each key
+        # group's steps for every row: a long prefill takes its rows in blocks that keep these bounded
+        n, m, d = q.shape
+        nt = min(self._block_tokens(self.b * self.hkv), max(1, view.total))
+        rb = blocked.row_block(4 * n * nt * (3 + d // self.cfg.key_group), m)
+        if rb >= m:
+            return self._attend_online(q, sq, h0, h1, slot, view)
+        return np.concatenate([self._attend_online(q[:, r0:r1], sq, h0, h1, slot, view, r0)
+                               for r0, r1 in blocked.row_ranges(m, rb)], axis=1)
 
     def _attend_two_pass(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: View) -> np.ndarray:
         """Scores of every position (``[n, M, T]``, small in decode), one exact softmax, then the
@@ -211,13 +220,15 @@ class KiviAttention:
         a = buf.view(0, count)[hs]
         return a if a.dtype == np.float32 else f16_to_f32(a)
 
-    def _attend_online(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: View) -> np.ndarray:
-        """Online softmax over sinks, blocks of codes and window (bounded memory for long chunks)."""
+    def _attend_online(self, q: np.ndarray, sq: int, h0: int, h1: int, slot: int, view: View,
+                       r0: int = 0) -> np.ndarray:
+        """Online softmax over sinks, blocks of codes and window (bounded memory for long chunks); ``q``:
+        the rows ``r0:r0+M`` of the call's rows."""
         c = self.cfg
         n, m, d = q.shape
         hs = slice(h0, h1)
         total = view.total
-        qpos = (total - sq) + (np.arange(m) % sq)  # absolute position of each query row
+        qpos = (total - sq) + ((r0 + np.arange(m)) % sq)  # absolute position of each query row
         q = q * np.float32(c.scale)  # scores are (scale q).k: the scale is folded into the query
         qmin_pos = int(qpos.min())
         mx = np.full((n, m), -np.inf, np.float32)

@@ -6,6 +6,7 @@ from typing import Any
 
 import numpy as np
 
+from ...kv import blocked
 from ..graph import Node
 from ..values import Lazy
 from .chains import Flow
@@ -73,6 +74,38 @@ def _rows_contiguous(x: np.ndarray) -> np.ndarray:
     if x.strides[-1] == x.itemsize and x.strides[-2] == x.itemsize * x.shape[-1]:
         return x
     return np.ascontiguousarray(x)
+
+
+def _attend_rows(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, mv: np.ndarray | None, g: int, scale: Any,
+                 spos: int, mpos: int) -> np.ndarray:
+    """The unfused chain's operations for the query rows of ``q [B, Hq, m, D]`` over ``kv, vv [B, Hkv, T, D]``
+    (query head ``h`` reads kv head ``h // g``): scores, ``* scale``, ``+ mv`` (its rows of these queries),
+    softmax over the keys, the weighted sum (``[B, Hq, m, Dv]``)."""
+    b, hq, sq, d = q.shape
+    hkv, t = kv.shape[1], kv.shape[2]
+    if g == 1:
+        s = np.matmul(q, np.swapaxes(kv, -1, -2))
+        sv = s
+    else:
+        s = np.matmul(q.reshape(b, hkv, g, sq, d), np.swapaxes(kv, -1, -2)[:, :, None])
+        sv = s.reshape(b, hq, sq, t)
+    if scale is not None:
+        if spos == 1:
+            np.multiply(sv, scale, out=sv)
+        else:
+            np.multiply(scale, sv, out=sv)
+    if mv is not None:
+        if mpos == 0:
+            np.add(sv, mv, out=sv)
+        else:
+            np.add(mv, sv, out=sv)
+    mx = np.max(sv, axis=3, keepdims=True)
+    np.subtract(sv, mx, out=sv)
+    np.exp(sv, out=sv)
+    np.divide(sv, np.sum(sv, axis=3, keepdims=True), out=sv)
+    if g == 1:
+        return np.matmul(s, vv)
+    return np.matmul(s, vv[:, :, None]).reshape(b, hq, sq, vv.shape[3])
 
 
 def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
@@ -159,32 +192,19 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
             return NotImplemented
         if krep is not None:  # the unfused products read the tile's copies: [T, D] rows, contiguous
             kv, vv_ = _rows_contiguous(kv), _rows_contiguous(vv_)
-        if g == 1:
-            s = np.matmul(q, np.swapaxes(kv, -1, -2))
-            sv = s
-        else:
-            s = np.matmul(q.reshape(b, hkv, g, sq, d), np.swapaxes(kv, -1, -2)[:, :, None])
-            sv = s.reshape(b, hq, sq, t)
-        if scale is not None:
-            if spos == 1:
-                np.multiply(sv, scale, out=sv)
-            else:
-                np.multiply(scale, sv, out=sv)
+        mv = None
         if mask is not None:
             mv = v[mask]
-            if not (is_f32(mv) and mv.ndim == 4 and all(a == b or a == 1 for a, b in zip(mv.shape, sv.shape))):
+            if not (is_f32(mv) and mv.ndim == 4 and all(x == y or x == 1 for x, y in zip(mv.shape, (b, hq, sq, t)))):
                 return NotImplemented
-            if mpos == 0:
-                np.add(sv, mv, out=sv)
-            else:
-                np.add(mv, sv, out=sv)
-        mx = np.max(sv, axis=3, keepdims=True)
-        np.subtract(sv, mx, out=sv)
-        np.exp(sv, out=sv)
-        np.divide(sv, np.sum(sv, axis=3, keepdims=True), out=sv)
-        if g == 1:
-            return np.matmul(s, vv_)
-        return np.matmul(s, vv_[:, :, None]).reshape(b, hq, sq, vv_.shape[3])
+        bq = blocked.row_block(b * hq * t * 4, sq)
+        if bq >= sq:
+            return _attend_rows(q, kv, vv_, mv, g, scale, spos, mpos)
+        out = np.empty((b, hq, sq, vv_.shape[3]), np.float32)
+        for i0, i1 in blocked.row_ranges(sq, bq):  # a long prefill: the scores of a block of queries at a time
+            mb = mv if mv is None or mv.shape[2] == 1 else mv[:, :, i0:i1]
+            out[:, :, i0:i1] = _attend_rows(q[:, :, i0:i1], kv, vv_, mb, g, scale, spos, mpos)
+        return out
 
     return Match("attention", members, inputs, fast, root.outputs[0])
 
