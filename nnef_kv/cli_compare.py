@@ -16,7 +16,8 @@ from .errors import InputError, clip
 
 __all__ = ["add_commands", "cmd_compare", "cmd_auto_bits"]
 
-_NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "chunk": "--chunk"}
+_NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "chunk": "--chunk", "windows": "--windows",
+          "windows_seed": "--windows-seed", "baseline": "--baseline"}
 
 
 def _path(value: str, flag: str) -> Path:
@@ -96,7 +97,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     specs = parse_specs(args.schemes or DEFAULT_SCHEMES)
     opts = CompareOptions(contexts=_ints(args.context, "--context"),
                           eval_tokens=_positive(args.eval_tokens, "--eval-tokens"),
-                          chunk=_positive(args.chunk, "--chunk"), tract=not args.no_tract)
+                          chunk=_positive(args.chunk, "--chunk"), tract=not args.no_tract,
+                          windows=_positive(args.windows, "--windows"),
+                          windows_seed=_positive(args.windows_seed, "--windows-seed", 0) or 0, baseline=args.baseline)
     jobs = _positive(args.jobs, "--jobs")
     out = _report_dir(args.report_dir, inputs=(src,))
     if args.ray is not None and jobs is not None:
@@ -107,7 +110,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     rep = compare_model(model, source, specs, opts, label=str(src), jobs=jobs, ray=args.ray, names=_NAMES,
                         show_progress=progress_enabled())
     print(f"compare {src}: {len(specs)} schemes, context {', '.join(map(str, rep.contexts))}, "
-          f"{rep.eval_tokens} predictions each; {rep.tokens}")
+          f"{rep.predictions} predictions each ({len(rep.starts)} window(s) x {rep.eval_tokens}); {rep.tokens}")
     for n in rep.notes:
         print(f"  note: {n}")
     print(render_table(rep))
@@ -115,7 +118,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if out is not None:
         paths = write_compare_report(rep, out)
         print(f"report: {', '.join(str(p) for p in paths)}")
-    return 0
+    return 130 if rep.interrupted else 0
 
 
 def _add_compare(sub: Any) -> None:
@@ -131,8 +134,18 @@ def _add_compare(sub: Any) -> None:
     sp.add_argument("archive", help="the f32 decoder (NNEF folder, .tar, .tgz, or .onnx)")
     _add_source(sp)
     sp.add_argument("--schemes", help=f"comma-separated schemes (default: {DEFAULT_SCHEMES})")
-    sp.add_argument("--context", help="context lengths L1,L2,... (default: at least 256, capped by the model and text)")
-    sp.add_argument("--eval-tokens", type=int, default=64, help="predictions measured per context (default 64)")
+    sp.add_argument("--context", help="context lengths L1,L2,... (default: validate's rule: 8 x the schemes' largest "
+                                      "full-precision window, at least 256, capped by the model and text)")
+    sp.add_argument("--eval-tokens", type=int, default=None,
+                    help="predictions measured per window and context (default 512, capped by the model and the text)")
+    sp.add_argument("--windows", type=int, default=None,
+                    help="disjoint windows of the text, the same tokens for every scheme and context (default: 4, "
+                         "or as many as the text holds)")
+    sp.add_argument("--windows-seed", type=int, default=0,
+                    help="0: windows spread evenly over the text; another: placed at random by this seed")
+    sp.add_argument("--baseline", metavar="SCHEME",
+                    help="the row each KL difference is measured against, paired on the same tokens (one of "
+                         "--schemes, as written; default: the row of lowest mean KL)")
     sp.add_argument("--chunk", type=int, help="prefill in calls of N tokens (default: one call)")
     sp.add_argument("--report-dir", help="write report.md, report.json and report.png (Pareto plot) here")
     sp.add_argument("--no-tract", action="store_true", help="do not try tract on the converted archives")

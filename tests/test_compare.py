@@ -77,7 +77,7 @@ def test_compare_on_a_shared_fixture_decoder_with_its_text(tmp_path, capsys):
     out = tmp_path / "report"
     schemes = "kivi:2,kivi:4,kivi:8,hf:2,hf:4,tract-cache:4,tract-cache:8,q8_0,kivi:4+residual=400"
     rc = main(["compare", str(LLAMA), "--schemes", schemes, "--context", "96", "--eval-tokens", "16",
-               "--jobs", "2", "--report-dir", str(out)])
+               "--windows", "2", "--jobs", "2", "--report-dir", str(out)])
     printed = capsys.readouterr().out
     assert rc == 0
     assert sorted(p.name for p in out.iterdir()) == ["report.json", "report.md", "report.png"]
@@ -108,11 +108,20 @@ def test_compare_on_a_shared_fixture_decoder_with_its_text(tmp_path, capsys):
         assert r["bits_per_value"] == pytest.approx(32 * r["kv_bytes"] / r["kv_bytes_f32"])
         # KIVI and HF read a prefill call's own tokens exactly (its prediction reads nothing quantized); tract's
         # cache quantizes them before the attention reads them
-        assert r["tokens_reading_quantized"] == (16 if r["scheme"].startswith("tract-cache") else 15)
+        assert r["tokens_reading_quantized"] == (16 if r["scheme"].startswith("tract-cache") else 15) * 2
+        # the figures' count and intervals, and the paired difference to the baseline (the row of lowest KL)
+        assert r["predictions"] == 32 and r["kl_mean_ci95"][0] <= r["kl_mean"] <= r["kl_mean_ci95"][1]
+        assert r["top1_agreement_ci95"][0] <= r["top1_agreement"] <= r["top1_agreement_ci95"][1]
+        assert r["ppl_ratio_ci95"][0] <= r["ppl_ratio"] <= r["ppl_ratio_ci95"][1]
+        assert r["kl_diff_ci95"][0] <= r["kl_diff"] <= r["kl_diff_ci95"][1]
+    assert rep["predictions"] == 32 and rep["windows"] == 2
+    best = min(measured, key=lambda r: r["kl_mean"])
+    assert rep["baseline"] == {"96": best["scheme"]} and best["kl_diff"] == 0 and best["pareto"]
+    assert rows["kivi:2"]["kl_diff_significant"] and rows["kivi:2"]["kl_diff"] > 0
     # tract: its ops load and run; nnef-kv's own are refused by tract, and the row says so
     assert rows["tract-cache:4"]["tract_runs"] is True and rows["kivi:4"]["tract_runs"] is False
     assert "nnef_kv_kivi_sdpa" in rows["kivi:4"]["tract_detail"]
-    assert "tract-cache:4" in printed and "failed: measure:" in printed
+    assert "tract-cache:4" in printed and "q8_0" in printed and "not a multiple of 32" in printed
     md = (out / "report.md").read_text()
     assert "| kivi:4 |" in md and "report.png" in md
 

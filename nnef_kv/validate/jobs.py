@@ -21,7 +21,16 @@ from typing import Any, Callable, Iterator, Sequence
 from ..errors import InputError
 from ..progress import progress_enabled
 
-__all__ = ["run_tasks", "connect_ray", "shutdown_ray", "default_jobs", "THREAD_ENV"]
+__all__ = ["run_tasks", "connect_ray", "shutdown_ray", "default_jobs", "THREAD_ENV", "Interrupted"]
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during :func:`run_tasks`: ``results`` holds the jobs finished before it (None for the others),
+    ``where`` the runner's description; the jobs not finished are cancelled."""
+
+    def __init__(self, results: list[Any], where: str) -> None:
+        super().__init__("interrupted")
+        self.results, self.where = results, where
 
 #: the environment of every worker: one thread per BLAS / OpenMP / numba pool (the job is the unit of parallelism)
 THREAD_ENV = {"OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "NUMBA_NUM_THREADS": "1"}
@@ -151,6 +160,7 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
 
         if bars:
             bars.__enter__()
+        where = f"local process pool ({n} worker{'s' if n > 1 else ''}, one BLAS thread each)"
         try:
             for f in as_completed(futs):
                 i = futs[f]
@@ -162,10 +172,19 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
                     results[i] = on_error(items[i], exc)
                 if bars:
                     bars.finish(i)
+        except KeyboardInterrupt:  # Ctrl-C (in this process, or a worker's task): keep what is finished
+            for f, i in futs.items():
+                if results[i] is None and f.done() and not f.cancelled() and f.exception() is None:
+                    results[i] = f.result()
+            procs = list(getattr(ex, "_processes", {}).values())  # the pool's own workers
+            ex.shutdown(wait=False, cancel_futures=True)
+            for p in procs:
+                p.terminate()
+            raise Interrupted(results, where) from None
         finally:
             if bars:
                 bars.__exit__(None, None, None)
-    return results, f"local process pool ({n} worker{'s' if n > 1 else ''}, one BLAS thread each)"
+    return results, where
 
 
 _STARTED: set[str] = set()  # Ray runtimes this module started ("local" ones are shut down after the jobs)

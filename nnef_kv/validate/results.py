@@ -40,6 +40,7 @@ class ValidateOptions:
     eval_tokens: int | None = None  # predictions per window; None: DEFAULT_EVAL_TOKENS, capped (see resolve_plan)
     windows: int | None = None  # disjoint windows of the text; None: DEFAULT_WINDOWS, as many as the text holds
     windows_seed: int = 0  # 0: windows spread evenly over the text; another: placed at random by this seed
+    starts: list[int] | None = None  # each window's first predicted token, given (compare's jobs, auto-bits' parts)
     chunk: int | None = None  # prefill in calls of this many tokens (None: one call)
     max_kl: float | None = None
     min_token_agreement: float | None = None

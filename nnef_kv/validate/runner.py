@@ -221,6 +221,12 @@ def resolve_plan(options: ValidateOptions, n_text: int, maxpos: tuple[int | None
     else:
         n = int(given_n)
     span = cmax + n
+    if options.starts:  # given (a part of another plan): each must fit in the text
+        for st in options.starts:
+            if st < cmax or st + n > n_text:
+                raise InputError(f"window at text token {st}: needs tokens {st - cmax}..{st + n - 1}, the text has "
+                                 f"{n_text}")
+        return Plan(contexts, n, [int(x) for x in options.starts], notes)
     if options.windows is None:
         k = max(1, min(DEFAULT_WINDOWS, n_text // span))
         if k < DEFAULT_WINDOWS:
@@ -306,18 +312,34 @@ def _kv_op_settings(dec: InterpreterDecoder) -> list[dict[str, Any]]:
     return out
 
 
-def _parity_tolerance(options: ValidateOptions, dtype: str) -> tuple[float, float]:
+def _parity_tolerance(options: ValidateOptions, dtype: str,
+                      probe: tuple[Any, Sequence[int], ContextResult] | None = None) -> tuple[float, float, str]:
+    """``(atol, rtol, note)``: the f32 tolerance (or the user's), plus, given ``probe = (model, ids, res)``
+    of an archive holding tract's quantized KV ops, the logit movement of every code that the measured
+    K/V noise against tract could flip at a rounding boundary (:mod:`nnef_kv.validate.parity`)."""
     f16 = dtype == "float16"
     atol = options.parity_atol if options.parity_atol is not None else (1e-3 if f16 else 1e-4)
     rtol = options.parity_rtol if options.parity_rtol is not None else (2e-2 if f16 else 1e-3)
-    return atol, rtol
+    if probe is None or options.parity_atol is not None or options.parity_rtol is not None:
+        return atol, rtol, ""
+    from .parity import flip_bound, kv_inputs
+
+    model, ids, res = probe
+    if not kv_inputs(model.document):
+        return atol, rtol, ""
+    flip_dec = InterpreterDecoder(model)
+    window = res.starts[:1]
+    got = flip_bound(model, flip_dec, ids, res.context, res.eval_tokens, res.chunk, window[0],
+                     lambda d: _measure(d, ids, res.context, res.eval_tokens, res.chunk, None, window).logits,
+                     res.archive.logits)
+    return atol + got.logits, rtol, got.text()
 
 
 def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: ContextResult,
                  options: ValidateOptions, path: str | None = None,
                  on_call: Callable[[], None] | None = None) -> ParityResult:
     """tract on the same teacher-forced tokens as ``res`` (prefill, then one-token calls), logits compared."""
-    atol, rtol = _parity_tolerance(options, res.archive.logits_dtype)
+    atol, rtol, _ = _parity_tolerance(options, res.archive.logits_dtype)
     if not tract_available():
         return ParityResult("skipped", "the tract Python package is not installed", atol=atol, rtol=rtol)
     own = sorted({n.op for n in dec.session.plan.step_nodes if n.op.startswith("nnef_kv_")})
@@ -345,14 +367,15 @@ def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: C
         msg = " / ".join(ln.strip() for ln in text.splitlines() if ln.strip() and ln.strip() != "Caused by:")
         return ParityResult("error", f"tract failed to load or run this archive: {msg or type(exc).__name__}",
                             atol=atol, rtol=rtol)
+    atol, rtol, note = _parity_tolerance(options, res.archive.logits_dtype, (model, ids, res))
     ours = res.archive.logits[:len(theirs)]
     diff = np.abs(ours.astype(np.float64) - theirs.astype(np.float64))
     scale = float(np.max(np.abs(theirs))) or 1.0
     max_abs = float(diff.max())
     agree = float(np.mean(np.argmax(ours, -1) == np.argmax(theirs, -1)))
     ok = bool(np.isfinite(max_abs)) and max_abs <= atol + rtol * scale
-    return ParityResult("ok" if ok else "mismatch", "" if ok else
-                        f"max |logits - tract| = {max_abs:.3g} > {atol:g} + {rtol:g} * {scale:.3g}",
+    why = "" if ok else f"max |logits - tract| = {max_abs:.3g} > {atol:g} + {rtol:g} * {scale:.3g}"
+    return ParityResult("ok" if ok else "mismatch", "; ".join(x for x in (why, note) if x),
                         calls=len(ours), max_abs=max_abs, max_rel=max_abs / scale, argmax_agreement=agree,
                         atol=atol, rtol=rtol, seconds=seconds)
 
@@ -458,7 +481,8 @@ def validate_model(model: Any, reference: Any | None = None, source: Any = None,
         elif p.status != "skipped":
             rep.checks.append(Check("tract parity", p.status == "ok",
                                     f"max |logits - tract| {p.max_abs:.3g} over {p.calls} tokens (tolerance {p.atol:g} "
-                                    f"+ {p.rtol:g} x max |logit|), argmax agreement {p.argmax_agreement:.3f}"))
+                                    f"+ {p.rtol:g} x max |logit|), argmax agreement {p.argmax_agreement:.3f}"
+                                    + (f"; {p.reason}" if p.reason else "")))
     if set_total is not None:
         set_total(done[0])  # what was run (a skipped parity run, reference runs reused)
     _finite_checks(rep)
