@@ -32,9 +32,13 @@ GRAPHS = {
     "strop": "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [2]);\n  y = add(x, \"hello\");\n}\n",
     "badreshape": "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [2, 3]);\n"
                   "  y = reshape(x, shape = [4, 2]);\n}\n",
+    "hugeext": "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [100000, 100000, 100000]);\n"
+               "  y = relu(x);\n}\n",
     "unknownop": "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [2, 3]);\n"
                  "  y = frobnicate(x);\n}\n",
 }
+#: a shared export with torch-to-nnef's --reify-sdpa-operator bug (tests/test_exports.py UNRUNNABLE)
+SDPA_EXPORT = Path(__file__).resolve().parents[1].parent / "shared/fixtures/exports/llama_sdpa/model.nnef.tgz"
 PLAIN = "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [1, 4]);\n  y = relu(x);\n}\n"
 
 
@@ -156,6 +160,11 @@ class World:
         w.has_char = _mknod_char(d / "chr")
         (d / "link_f32.tar").symlink_to(d / "f32.nnef.tar")
         _hub_cache(d / "hub", d / "f32.nnef.tar")
+        (d / "export").mkdir()  # an export folder: the archive beside its files, no graph.nnef
+        (d / "export" / "model.nnef.tgz").write_bytes((d / "f32.nnef.tar").read_bytes())
+        byte_level_tokenizer().save(str(d / "export" / "tokenizer.json"))
+        if SDPA_EXPORT.is_file():  # torch-to-nnef --reify-sdpa-operator of a GQA llama: S = 1 baked in a reshape
+            (d / "sdpa_gqa.nnef.tgz").write_bytes(SDPA_EXPORT.read_bytes())
         for name, target in (("link_to_fifo", "../fifo"), ("link_to_dir", "../hub"), ("link_dangling", "../nowhere")):
             (d / name).mkdir()
             (d / name / "graph.nnef").write_text(PLAIN)

@@ -84,6 +84,11 @@ INSPECT = [
       "a model folder linking a file to a folder"),
     C("link-dangling", "inspect {in}/link_dangling", 2, "link_dangling: member 'w.dat' is a symbolic link that does "
       "not resolve", "a model folder with a dangling link"),
+    C("export-folder", "inspect {in}/export", 2, "export: no graph.nnef in the folder; it holds the archive "
+      "model.nnef.tgz: pass that ({in}/export/model.nnef.tgz)", "an export folder holding model.nnef.tgz"),
+    C("huge-external", "inspect {in}/hugeext", 2, "hugeext/graph.nnef:3:7: input 'x' declares float32 [100000, "
+      "100000, 100000]: the check run's zeros would take 4000000000000000 bytes, over max_tensor_bytes",
+      "external(shape = [100000, 100000, 100000])"),
     C("no-check", "inspect {in}/badadd --no-check", 0, "operations: 3 invocations", "--no-check: text summary only"),
     C("ok", "inspect {in}/f32.nnef.tar", 0, "check: graph built, one run on zeros of the declared inputs (S=1, P=1): "
       "ok", "a good archive"),
@@ -255,6 +260,9 @@ VALIDATE = [
       "--eval-tokens 0"),
     C("undefined", "validate {in}/undef --ids {in}/ids.txt", 2, "undef/graph.nnef:4:12: undefined identifier 'zz'",
       "a graph using an undefined identifier"),
+    C("sdpa-export", "validate {in}/sdpa_gqa.nnef.tgz --ids {in}/ids.txt --no-parity", 2, "torch-to-nnef "
+      "--reify-sdpa-operator with grouped-query attention bakes the traced S = 1 into this reshape",
+      "a torch-to-nnef --reify-sdpa-operator GQA export (S = 1 baked in)"),
     C("junk-reference", "validate {in}/f32.nnef.tar --reference {in}/junk.tgz --ids {in}/ids.txt", 2,
       "junk.tgz: not an NNEF model archive: a text file", "--reference junk"),
 ]

@@ -26,6 +26,7 @@ error quotes it. :func:`find_caches` finds the caches without any attention (sch
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from ..errors import ConversionError
 from ..grammar import ast as A
@@ -540,8 +541,19 @@ def exporter_problems(g: GraphEdit) -> list[str]:
             isinstance(d, A.Identifier) or not isinstance(static_value(d), int) for d in shape.items[:2]
         )
         if isinstance(lit, int) and not isinstance(lit, bool) and lit > 1 and symbolic_input:
-            out.append(f"{g.where}: node '{r.name}' (reshape) gives tract_transformers_sdpa '{n.name}' a query whose "
-                       f"sequence axis is the constant {lit}: torch-to-nnef --reify-sdpa-operator with grouped-query "
-                       f"attention bakes the traced S = 1 into this reshape, so neither tract nor nnef-kv can run a "
-                       f"call of any other length; re-export without --reify-sdpa-operator")
+            out.append(f"{g.where}: node '{r.name}' (reshape) fixes the sdpa query's sequence axis at {lit}: "
+                       f"torch-to-nnef --reify-sdpa-operator with grouped-query attention bakes the traced S = 1 into "
+                       f"this reshape; no other length runs; re-export without it")
     return out
+
+
+def refuse_exporter_problems(model: Any, where: str) -> None:
+    """Raise :class:`~nnef_kv.errors.GraphError` with the first of :func:`exporter_problems` of ``model`` (a model
+    with a graph), the explanation ``inspect`` gives, before a command's work fails on it with a raw error."""
+    from ..errors import GraphError
+
+    if getattr(getattr(model, "document", None), "graph", None) is None:
+        return
+    problems = exporter_problems(GraphEdit(model.document, getattr(model, "tensors", {}) or {}, where))
+    if problems:
+        raise GraphError(problems[0])

@@ -8,12 +8,14 @@ run of the model would. What comes out is each output's dtype and shape at that 
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ..errors import GraphError, InputError, NnefKvError
+from ..errors import GraphError, InputError, LimitError, NnefKvError
+from ..limits import current_limits
 from .values import Lazy
 
 SYMBOL_VALUE = 1
@@ -59,6 +61,11 @@ def check_model(model: Any, symbol_value: int = SYMBOL_VALUE) -> CheckResult:
                 dims.append(int(d))
         if any(n < 0 for n in dims):
             raise GraphError(f"{spec.location}: input '{spec.name}' declares a negative dim {dims}")
+        nbytes = math.prod(dims) * np.dtype(spec.dtype).itemsize
+        limit = getattr(model, "limits", None) or current_limits()
+        if nbytes > limit.max_tensor_bytes:
+            raise LimitError(f"{spec.location}: input '{spec.name}' declares {spec.dtype} {dims}: the check run's "
+                             f"zeros would take {nbytes} bytes, over max_tensor_bytes={limit.max_tensor_bytes}")
         feed[spec.name] = np.zeros(dims, spec.dtype)
     try:
         out = session.run(feed)
