@@ -41,7 +41,6 @@ from .results import (DEFAULT_CONTEXT_FLOOR, DEFAULT_EVAL_TOKENS, DEFAULT_WINDOW
                       ContextResult, Measurement, ParityResult, ValidateOptions, ValidationReport)
 from .roundtrip import check_round_trip
 from ..converters.attention import refuse_exporter_problems as _exporter_bugs
-from ..converters.attention import refuse_exporter_problems as _exporter_bugs
 
 __all__ = ["ValidateOptions", "Check", "ParityResult", "ContextResult", "Measurement", "ValidationReport",
            "validate_model", "resolve_contexts", "resolve_plan", "Plan", "window_starts", "max_positions",
