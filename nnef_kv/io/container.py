@@ -10,7 +10,8 @@ decompressing, so a gzip bomb stops early) and the size of each text and tensor 
 
 Writing is reproducible: members sorted by name, mtime 0, uid/gid 0, empty user/group names,
 mode 0o644, POSIX pax format (pax records only for names that do not fit ustar), gzip with mtime 0
-and no file name; files are written through :func:`nnef_kv.atomic.atomic_write` and folders
+and no file name (ISA-L's fast compressor when ``isal`` is installed, else zlib level 1: see
+:func:`gzip_writer`); files are written through :func:`nnef_kv.atomic.atomic_write` and folders
 through :func:`nnef_kv.atomic.atomic_dir`.
 """
 from __future__ import annotations
@@ -346,13 +347,22 @@ def _read_tgz(path: Path, limits: Limits) -> list[Member]:
                 )
             fobj = tf.extractfile(ti)
             assert fobj is not None
+            # inflated straight into one buffer of the member's size, 1 MiB at a time (``read()``, and tarfile's
+            # stream for any large read, join their chunks: the largest member held two or three times)
+            buf = bytearray(ti.size)
+            view = memoryview(buf)
+            got = 0
             try:
-                data = fobj.read()
+                while got < ti.size:
+                    n = fobj.readinto(view[got:got + (1 << 20)])
+                    if not n:
+                        break
+                    got += n
             except tarfile.TarError as e:
                 raise ArchiveError(f"{where}: member {name!r} is truncated ({e})") from None
-            if len(data) != ti.size:
+            if got != ti.size:
                 raise ArchiveError(f"{where}: member {name!r} is truncated")
-            out.append(Member(name, data))
+            out.append(Member(name, view.toreadonly()))
     return out
 
 
@@ -435,6 +445,35 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     return ti
 
 
+#: the zlib level a ``.tgz`` is written with when ISA-L's bindings (``isal``) are not installed. On f32
+#: weights every level gives about the same size (measured on 128 MiB of a random-weight SmolLM2-shaped
+#: archive: level 1 0.929 of the input, 6 and 9 0.926) and zlib is the slowest step of ``convert`` (about
+#: 7 MiB/s at level 6 here): ``python benchmarks/scale.py --gzip`` prints the levels' times and sizes
+ZLIB_LEVEL = 1
+#: the level given to ``isal.igzip`` when installed (``pip install isal``): 15-20x zlib's speed here at
+#: the same size (0.925)
+ISAL_LEVEL = 1
+#: archives whose members total less than this are written as before (zlib level 6): the same bytes on every
+#: machine whatever is installed (the shipped sample, test fixtures), and speed does not matter at that size
+SMALL_TGZ_BYTES = 16 << 20
+
+
+def gzip_writer(fileobj: BinaryIO, level: int | None = None, size: int | None = None) -> BinaryIO:
+    """A reproducible gzip stream (mtime 0, no file name) into ``fileobj`` for ``size`` bytes of tar: zlib
+    level 6 under ``SMALL_TGZ_BYTES``; else ISA-L's when ``isal`` is installed (level ``ISAL_LEVEL``), zlib's
+    at ``ZLIB_LEVEL`` otherwise. All are standard gzip that any reader takes; a large archive's bytes differ
+    with and without ``isal`` (the same model gives the same bytes with the same compressor)."""
+    if size is not None and size < SMALL_TGZ_BYTES and level is None:
+        return gzip.GzipFile(filename="", mode="wb", fileobj=fileobj, mtime=0, compresslevel=6)  # type: ignore
+    try:
+        from isal import igzip
+    except ImportError:
+        return gzip.GzipFile(filename="", mode="wb", fileobj=fileobj, mtime=0,  # type: ignore[return-value]
+                             compresslevel=ZLIB_LEVEL if level is None else level)
+    return igzip.IGzipFile(filename="", mode="wb", fileobj=fileobj, mtime=0,  # type: ignore[return-value]
+                           compresslevel=ISAL_LEVEL if level is None else level)
+
+
 def write_tar_stream(fileobj: BinaryIO, members: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
     """Write a reproducible tar of ``(name, buffers)`` (already sorted) to ``fileobj``."""
     with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8") as tf:
@@ -465,7 +504,8 @@ def write_container(path: str | os.PathLike, members: dict[str, Sequence[Buffer]
         raise ArchiveError(f"{where}: unknown container kind {kind!r}")
     with atomic_write(target) as f:
         if kind == "tgz":
-            with gzip.GzipFile(filename="", mode="wb", fileobj=f, mtime=0, compresslevel=6) as gz:
+            total = sum(memoryview(p).nbytes for n in names for p in members[n])
+            with gzip_writer(f, size=total) as gz:
                 write_tar_stream(gz, ((n, members[n]) for n in names))  # type: ignore[arg-type]
         else:
             write_tar_stream(f, ((n, members[n]) for n in names))
