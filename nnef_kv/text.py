@@ -163,7 +163,18 @@ class TokenSource:
         for i, t in enumerate(self.ids):
             if not 0 <= t < vocab:
                 raise InputError(f"{self.label or self.option}: token id {t} at position {i} is outside the model's "
-                                 f"vocabulary of {vocab} ids ({self.description})")
+                                 f"vocabulary of {vocab} ids ({self.description}){self._tokenizer_note(vocab)}")
+
+    def _tokenizer_note(self, vocab: int) -> str:
+        """When the ids came from a tokenizer larger than the model's vocabulary: say so (not this model's?)."""
+        try:
+            n = int(self.tokenizer.get_vocab_size(with_added_tokens=True)) if self.tokenizer is not None else 0
+        except Exception:  # noqa: BLE001 - a tokenizer-like object without the method: nothing to add
+            return ""
+        if n <= vocab:
+            return ""
+        named = f" {self.tokenizer_path}" if self.tokenizer_path else ""
+        return f"; the tokenizer{named} has {n} ids: not this model's tokenizer?"
 
     def decode(self, ids: Sequence[int]) -> str | None:
         return None if self.tokenizer is None else self.tokenizer.decode(list(ids))

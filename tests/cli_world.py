@@ -39,6 +39,7 @@ GRAPHS = {
 }
 #: a shared export with torch-to-nnef's --reify-sdpa-operator bug (tests/test_exports.py UNRUNNABLE)
 SDPA_EXPORT = Path(__file__).resolve().parents[1].parent / "shared/fixtures/exports/llama_sdpa/model.nnef.tgz"
+T2N_EXPORT = SDPA_EXPORT.parents[1] / "llama_default" / "model.nnef.tgz"
 PLAIN = "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [1, 4]);\n  y = relu(x);\n}\n"
 
 
@@ -163,6 +164,11 @@ class World:
         (d / "export").mkdir()  # an export folder: the archive beside its files, no graph.nnef
         (d / "export" / "model.nnef.tgz").write_bytes((d / "f32.nnef.tar").read_bytes())
         byte_level_tokenizer().save(str(d / "export" / "tokenizer.json"))
+        if T2N_EXPORT.is_file():  # torch-to-nnef's llama: the planner fuses the embedding's gather into a step
+            (d / "t2n.nnef.tgz").write_bytes(T2N_EXPORT.read_bytes())
+        big = byte_level_tokenizer()
+        big.add_tokens([f"<x{i}>" for i in range(60)])  # 316 ids for a 256-row embedding
+        big.save(str(d / "tok316.json"))
         if SDPA_EXPORT.is_file():  # torch-to-nnef --reify-sdpa-operator of a GQA llama: S = 1 baked in a reshape
             (d / "sdpa_gqa.nnef.tgz").write_bytes(SDPA_EXPORT.read_bytes())
         for name, target in (("link_to_fifo", "../fifo"), ("link_to_dir", "../hub"), ("link_dangling", "../nowhere")):

@@ -47,6 +47,10 @@ def _is_npz(name: str) -> Callable[[World, str, str], None]:
     return check
 
 
+def _says(err: str, words: str) -> None:
+    assert words in err, err
+
+
 def _link_kept(link: str, target: str) -> Callable[[World, str, str], None]:
     def check(w: World, out: str, err: str) -> None:
         import nnef_kv
@@ -223,6 +227,8 @@ GENERATE = [
       "--prompt-ids: token id 99999999999999999999999 is too large", "--prompt-ids 10^23"),
     C("outside-vocab", "generate {in}/f32.nnef.tar --prompt-ids 1,300", 2, "--prompt-ids: token id 300 at position 1 "
       "is outside the model's vocabulary of 256 ids", "an id outside the vocabulary"),
+    C("t2n-vocab", "generate {in}/t2n.nnef.tgz --prompt-ids 1,300", 2, "--prompt-ids: token id 300 at position 1 is "
+      "outside the model's vocabulary of 256 ids", "an id outside the vocabulary of a torch-to-nnef export"),
     C("ids-file-vocab", "generate {in}/f32.nnef.tar --ids {in}/bigid.txt", 2, "--ids {in}/bigid.txt: token id 300 at "
       "position 2 is outside the model's vocabulary", "--ids FILE with an id outside the vocabulary"),
     C("past-bound", "generate {in}/f32.nnef.tar --prompt-ids 1,2 --max-new-tokens 30", 2, "--prompt-ids: 2 prompt "
@@ -260,6 +266,9 @@ VALIDATE = [
       "--eval-tokens 0"),
     C("undefined", "validate {in}/undef --ids {in}/ids.txt", 2, "undef/graph.nnef:4:12: undefined identifier 'zz'",
       "a graph using an undefined identifier"),
+    C("tokenizer-316", "validate {in}/t2n.nnef.tgz --tokenizer {in}/tok316.json --prompt hi<x5>there --no-parity", 2,
+      "--prompt: token id 261 at position 2 is outside the model's vocabulary of 256 ids", "a 316-id tokenizer for a "
+      "256-row embedding (torch-to-nnef export)", check=lambda w, out, err: _says(err, "tok316.json has 316 ids")),
     C("sdpa-export", "validate {in}/sdpa_gqa.nnef.tgz --ids {in}/ids.txt --no-parity", 2, "torch-to-nnef "
       "--reify-sdpa-operator with grouped-query attention bakes the traced S = 1 into this reshape",
       "a torch-to-nnef --reify-sdpa-operator GQA export (S = 1 baked in)"),
