@@ -380,7 +380,8 @@ def test_f16_archive_tract_parity_follows_its_dtype() -> None:
     rep = validate_model(convert(ref, scheme="tract-cache", bits=8)[0], ref, src,
                          ValidateOptions(contexts=[120], eval_tokens=16))
     p = rep.parity
-    assert p.status == "ok" and (p.atol, p.rtol) == (1e-3, 2e-2) and p.max_abs > 1e-4, p
+    assert p.status == "ok" and p.atol >= 1e-3 and p.rtol == 2e-2 and p.max_abs > 1e-4, p
+    assert "quantized-cache term" in p.reason, p  # the f16 atol plus the code-flip term (validate/parity.py)
     strict = validate_model(convert(ref, scheme="tract-cache", bits=8)[0], ref, src,  # --parity-atol/--parity-rtol
                             ValidateOptions(contexts=[120], eval_tokens=16, parity_atol=1e-6, parity_rtol=0.0))
     assert strict.parity.status == "mismatch" and (strict.parity.atol, strict.parity.rtol) == (1e-6, 0.0)

@@ -10,6 +10,11 @@ the input's dtype. Per (batch, head):
 * ``per_channel = 0`` (values): every token gets one ``(lo, step)`` f32 pair over its D channels;
 * ``step = (hi - lo) / (2**bits - 1)`` (1.0 when flat), codes ``round((x - lo) / step)`` half away
   from zero, clamped; 4-bit codes packed two a byte, even index in the low nibble.
+
+Bit for bit tract's codes, params and output on the same input (``tests/test_kv_tract_ops.py``, and
+``tests/test_tract_parity.py`` on the K/V tract computes in a real decoder). ``flip_margin`` (0: off) is
+validation's probe of how much tract parity can move (``nnef_kv/validate/parity.py``): every code that an
+input noise of ``flip_margin`` could carry over its rounding boundary is stored as the other neighbour.
 """
 from __future__ import annotations
 
@@ -19,16 +24,34 @@ from ..errors import GraphError, InputError, StateError
 from .common import BufferCheckpoint, GrowBuffer, expect_state, round_half_away
 from .packing import pack_bits, packed_len, unpack_bits
 
-__all__ = ["TractQuantizedDynKvCache", "SINK_TOKENS", "KEY_BLOCK"]
+__all__ = ["TractQuantizedDynKvCache", "SINK_TOKENS", "KEY_BLOCK", "flip_at_boundary"]
 
 SINK_TOKENS = 4
 KEY_BLOCK = 32
 
 
-def _quantize(x: np.ndarray, lo: np.ndarray, step: np.ndarray, levels: np.float32) -> np.ndarray:
+def flip_at_boundary(r: np.ndarray, q: np.ndarray, step: np.ndarray, margin: float) -> tuple[np.ndarray, int]:
+    """``(codes, how many moved)``: ``q = round(r)`` with every code an input noise of ``margin`` could
+    flip moved to its other neighbour.
+
+    With ``x``, ``lo`` (and ``hi``) each off by at most ``margin``, ``r = (x - lo) / step`` (``r <= levels``,
+    ``step = (hi - lo) / levels``) moves by at most ``2 margin / step + r * (2 margin / levels) / step <=
+    4 margin / step`` code units: the codes whose ``r`` lies that close to a half-integer are the ones
+    another f32 accumulation order of the same K/V may store one step away."""
+    if not margin:
+        return q, 0
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        r = np.clip(round_half_away((x - lo) / step), 0, levels)
-    return np.nan_to_num(r, nan=0.0).astype(np.uint8)
+        near = np.abs(r - np.floor(r) - np.float32(0.5)) < np.float32(4.0 * margin) / step
+    return np.where(near, 2 * np.floor(r) + 1 - q, q), int(np.count_nonzero(near))
+
+
+def _quantize(x: np.ndarray, lo: np.ndarray, step: np.ndarray, levels: np.float32,
+              margin: float = 0.0) -> tuple[np.ndarray, int]:
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        r = (x - lo) / step
+        q, moved = flip_at_boundary(r, round_half_away(r), step, margin)
+        r = np.clip(q, 0, levels)
+    return np.nan_to_num(r, nan=0.0).astype(np.uint8), moved
 
 
 def _range_params(lo: np.ndarray, hi: np.ndarray, levels: np.float32) -> np.ndarray:
@@ -65,6 +88,9 @@ class TractQuantizedDynKvCache(BufferCheckpoint):
         self.levels = np.float32((1 << self.bits) - 1)
         self.past_sequence_shape = _shape_attr(past_sequence_shape)
         self.input_sequence_shape = _shape_attr(input_sequence_shape)
+        #: validation's boundary-flip probe (see the module docstring); 0 reproduces tract
+        self.flip_margin = 0.0
+        self.flips = 0  # codes the probe moved
         self.reset()
 
     def symbol_bindings(self) -> dict[str, int]:
@@ -126,7 +152,8 @@ class TractQuantizedDynKvCache(BufferCheckpoint):
                 lo = np.fmin.reduce(blk, axis=1, initial=np.inf).astype(np.float32)  # [n, D]
                 hi = np.fmax.reduce(blk, axis=1, initial=-np.inf).astype(np.float32)
                 step = _range_params(lo, hi, self.levels)
-                codes = _quantize(blk, lo[:, None, :], step[:, None, :], self.levels)
+                codes, moved = _quantize(blk, lo[:, None, :], step[:, None, :], self.levels, self.flip_margin)
+                self.flips += moved
                 self.packed.append(pack_bits(codes, self.bits))
                 self.params.append(np.stack([lo, step], axis=1)[:, None])
                 self.residual.drop_front(KEY_BLOCK)
@@ -136,7 +163,8 @@ class TractQuantizedDynKvCache(BufferCheckpoint):
             lo = np.fmin.reduce(rest, axis=-1, initial=np.inf).astype(np.float32)  # [n, S]
             hi = np.fmax.reduce(rest, axis=-1, initial=-np.inf).astype(np.float32)
             step = _range_params(lo, hi, self.levels)
-            codes = _quantize(rest, lo[..., None], step[..., None], self.levels)
+            codes, moved = _quantize(rest, lo[..., None], step[..., None], self.levels, self.flip_margin)
+            self.flips += moved
             self.packed.append(pack_bits(codes, self.bits))
             self.params.append(np.stack([lo, step], axis=-1))
 

@@ -12,6 +12,10 @@ What tract does (``transformers/src/ops/kv_quant.rs``, checked against the tract
 * attention over the whole dequantized cache, new tokens included, **no causal mask**, GQA
   ``kv = h // (Hq / Hkv)``, ``scale`` default ``sqrt(1 / D)``; output cast back to q's dtype.
 
+Codes and params are tract's bit for bit on the same K/V; the output differs by f32 rounding only (tract's
+flash softmax in blocks of 32, its own dot products and ``exp``: within 1e-5, ``tests/test_kv_tract_ops.py``).
+``flip_margin = (keys, values)`` (0: off) is validation's boundary-flip probe, as in ``tract_dyn_cache``.
+
 The class is usable without a graph: ``state = TractQuantizedKvSdpa(scale=0.125); y = state(q, k, v)``.
 """
 from __future__ import annotations
@@ -20,6 +24,7 @@ import numpy as np
 
 from ..errors import InputError, StateError
 from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, round_half_away, stepwise_loop
+from .tract_dyn_cache import flip_at_boundary
 
 __all__ = ["TractQuantizedKvSdpa", "softmax_attention"]
 
@@ -54,6 +59,9 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
         self.axis = int(axis)
         # a scale of 0 (the NNEF declaration's default) stands for "absent" like in tract
         self.scale = None if scale is None or float(scale) == 0.0 else float(scale)
+        #: validation's boundary-flip probe, (keys, values) input noise; 0 reproduces tract
+        self.flip_margin = (0.0, 0.0)
+        self.flips = 0  # codes the probe moved
         self.reset()
 
     # ----------------------------------------------------------------------------- state
@@ -82,11 +90,12 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
         return self.k_codes is not None
 
     # ----------------------------------------------------------------------------- pushes
-    @staticmethod
-    def _codes(x: np.ndarray, lo: np.ndarray, step: np.ndarray) -> np.ndarray:
+    def _codes(self, x: np.ndarray, lo: np.ndarray, step: np.ndarray, margin: float = 0.0) -> np.ndarray:
         with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-            r = round_half_away((x - lo) / step)
-            r = np.clip(r, 0, 255)
+            r = (x - lo) / step
+            q, moved = flip_at_boundary(r, round_half_away(r), step, margin)
+            self.flips += moved
+            r = np.clip(q, 0, 255)
         return np.nan_to_num(r, nan=0.0).astype(np.uint8)
 
     def _push_value(self, x: np.ndarray) -> None:
@@ -95,7 +104,7 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
         hi = np.fmax.reduce(x, axis=-1, initial=-np.inf).astype(np.float32)
         with np.errstate(invalid="ignore", over="ignore"):
             step = np.where(hi > lo, (hi - lo) / _LEVELS, np.float32(1.0)).astype(np.float32)
-        codes = self._codes(x, lo[:, None], step[:, None])
+        codes = self._codes(x, lo[:, None], step[:, None], self.flip_margin[1])
         self.v_codes.append(codes[:, None, :])
         self.v_params.append(np.stack([lo, step], axis=-1)[:, None, :])
 
@@ -107,7 +116,7 @@ class TractQuantizedKvSdpa(BufferCheckpoint):
             grow = (rng > 0) & (new_step > self.ch_step)
         self.ch_step = np.where(grow, new_step, self.ch_step).astype(np.float32)
         self.ch_lo = lo.astype(np.float32)
-        codes = self._codes(x, self.ch_lo, self.ch_step)
+        codes = self._codes(x, self.ch_lo, self.ch_step, self.flip_margin[0])
         self.k_codes.append(codes[:, None, :])
 
     # ----------------------------------------------------------------------------- reads

@@ -273,15 +273,19 @@ def _tract_loads(model: Any) -> tuple[bool | None, str]:
 
 
 def _tract_of(rep: Any, converted: Any, options: CompareOptions) -> tuple[bool | None, str]:
+    """The table's tract cell: ``True`` ("yes") only when tract runs the archive *and* its logits agree
+    with nnef-kv's within the parity tolerance (for tract's quantized caches the derived one,
+    :mod:`nnef_kv.validate.parity`); a mismatch is ``False``, its figures in the detail."""
     p = rep.parity
     if not options.tract:
         return None, "not tried (--no-tract)"
     if p is None:
         return None, "not run"
     if p.status == "ok":
-        return True, f"runs; logits within tolerance of nnef-kv's (max |diff| {p.max_abs:.3g})"
+        return True, (f"runs; logits within tolerance of nnef-kv's (max |diff| {p.max_abs:.3g} <= "
+                      f"{p.atol:.3g} + {p.rtol:g} x max |logit|)" + (f"; {p.reason}" if p.reason else ""))
     if p.status == "mismatch":
-        return True, f"runs; logits differ from nnef-kv's: {p.reason}"
+        return False, f"runs, but logits differ from nnef-kv's: {p.reason}"
     if p.status == "error":
         return False, p.reason
     if "not installed" in p.reason:
@@ -363,10 +367,10 @@ def spec_windows(model: Any, specs: Sequence[SchemeSpec]) -> list[int]:
 
 def prepare(model: Any, source: Any, options: CompareOptions, label: str,
             names: dict[str, str] | None = None, windows: list[int] | None = None,
-            split: int | None = None) -> tuple[JobInput, list[str]]:
+            pick: Callable[[list[int]], list[int]] | None = None) -> tuple[JobInput, list[str]]:
     """The checks made before any job (one line each), the plan (validate's rule: :func:`~.runner.resolve_plan`,
-    from ``windows``, the KV ops' full-precision windows) and the reference runs. ``split``: the job gets the
-    plan's first ``split`` windows only (auto-bits keeps the others for its held-out check)."""
+    from ``windows``, the KV ops' full-precision windows) and the reference runs. ``pick``: the windows the job
+    measures, from the plan's (auto-bits chooses on some and keeps the others for its held-out check)."""
     from .runner import _decoder, _measure, max_positions, resolve_plan, vocab_size
 
     ref_dec = _decoder(model, capture=True, what=label)
@@ -377,7 +381,7 @@ def prepare(model: Any, source: Any, options: CompareOptions, label: str,
     vo = options.plan_options().check(names)
     source.check_vocabulary(vocab_size(ref_dec.session, ref_dec.sig))
     plan = resolve_plan(vo, len(source.ids), max_positions(ref_dec.session), list(windows or []), names)
-    starts = plan.starts[:split] if split else plan.starts
+    starts = pick(list(plan.starts)) if pick else plan.starts
     runs = {c: _measure(ref_dec, source.ids, c, plan.eval_tokens, options.chunk, None, starts) for c in plan.contexts}
     job = JobInput(_portable(model), list(source.ids), source.description, options, plan.contexts, runs,
                    plan.eval_tokens, starts, plan)
