@@ -100,7 +100,7 @@ class Session:
         return self.plan.output_names
 
     def run(self, inputs: dict[str, Any], capture: Any = None, *, stepwise: bool = False,
-            capture_map: Any = None) -> Any:
+            capture_map: Any = None, token_symbol: str | None = None) -> Any:
         """Run the graph once on ``inputs`` (by input name); returns outputs by name, in graph order.
 
         ``capture``: intermediate tensors to return too, each named by an identifier of the graph body
@@ -122,6 +122,7 @@ class Session:
         exports) comes out for every token, along that axis; an accumulated output (an explicit
         ``out_cache_*``) comes out as after the last token. A state that needs it (tract's quantized
         dyn cache) cuts the run into chunks at its block boundaries, each run as one call.
+        ``token_symbol``: the symbol counting the tokens (default: :meth:`token_inputs` finds it).
 
         A kernel failing raises ``file:line:col: node 'name' (op): message`` (GraphError, or the
         kernel's own nnef-kv error type)."""
@@ -140,7 +141,7 @@ class Session:
             if plan.elided.intersection(slots):  # a fused producer's value: run the unfused plan
                 plan = plan.unfused()
         if stepwise:
-            outs, caps = self._run_stepwise(plan, inputs, slots, capture_map)
+            outs, caps = self._run_stepwise(plan, inputs, slots, capture_map, token_symbol)
         elif capture is None and not self.states:  # the decode path of stateless graphs: nothing else to do
             v = bind_inputs(plan, inputs)
             with BLAS:
@@ -175,21 +176,37 @@ class Session:
         return outs, [v[s] if capture_map is None else got[s] for s in slots]
 
     # -- stepwise runs -------------------------------------------------------------------------
-    def token_inputs(self) -> tuple[str, dict[str, int]]:
-        """``(symbol, {input name: axis})``: the symbol counting a run's new tokens (the one symbolic dim
-        of the integer inputs, e.g. ``S`` of ``input_ids [1, S]``) and the inputs carrying it."""
-        syms = {d for spec in self.plan.inputs if np.dtype(spec.dtype).kind in "iu"
-                for d in spec.shape if isinstance(d, str)}
-        if len(syms) != 1:
-            raise InputError(f"stepwise: cannot tell which symbol counts the tokens: the integer inputs have "
-                             f"{'no symbolic dim' if not syms else 'the symbolic dims ' + ', '.join(sorted(syms))}")
+    def token_inputs(self, token_symbol: str | None = None) -> tuple[str, dict[str, int]]:
+        """``(symbol, {input name: axis})``: the symbol counting a run's new tokens and the inputs carrying it:
+        ``token_symbol`` when given, else the one symbolic dim of the integer inputs (``S`` of ``input_ids
+        [1, S]``), else, with no integer input carrying one, the one symbol every input with a symbolic dim
+        shares (``S`` of an attention op's ``q``, ``k``, ``v`` ``[1, H, S, D]``)."""
+        dims = {spec.name: {d for d in spec.shape if isinstance(d, str)} for spec in self.plan.inputs}
+        if token_symbol is not None:
+            every = set().union(*dims.values()) if dims else set()
+            if token_symbol not in every:
+                raise InputError(f"stepwise: token_symbol={token_symbol!r} is no symbolic dim of the inputs "
+                                 f"({', '.join(sorted(every)) or 'they have none'})")
+            syms = {token_symbol}
+        else:
+            syms = {d for spec in self.plan.inputs if np.dtype(spec.dtype).kind in "iu" for d in dims[spec.name]}
+            if not syms:
+                carried = [d for d in dims.values() if d]
+                syms = set.intersection(*carried) if carried else set()
+                what = "the inputs share"
+            else:
+                what = "the integer inputs have"
+            if len(syms) != 1:
+                found = "no symbolic dim" if not syms else "the symbolic dims " + ", ".join(sorted(syms))
+                raise InputError(f"stepwise: cannot tell which symbol counts the tokens: {what} {found}; name it "
+                                 f"(token_symbol=...)")
         sym = syms.pop()
         axes = {spec.name: spec.shape.index(sym) for spec in self.plan.inputs if sym in spec.shape}
         return sym, axes
 
-    def _run_stepwise(self, plan: Plan, inputs: dict[str, Any], slots: list[int], capture_map: Any
-                      ) -> tuple[dict[str, Any], list[Any]]:
-        sym, axes = self.token_inputs()
+    def _run_stepwise(self, plan: Plan, inputs: dict[str, Any], slots: list[int], capture_map: Any,
+                      token_symbol: str | None = None) -> tuple[dict[str, Any], list[Any]]:
+        sym, axes = self.token_inputs(token_symbol)
         for (_, node), st in zip(self.plan.stateful, self.states):
             if not st.has_stepwise():
                 raise InputError(f"{node.location}: stepwise: {node.op} '{node.name}' has no stepwise run")
