@@ -25,7 +25,8 @@ from typing import Any, Sequence
 from .errors import InputError
 from .grammar.printer import short
 
-__all__ = ["TOKENIZER_FILE", "find_tokenizer", "load_tokenizer", "read_text", "read_ids", "TokenSource",
+__all__ = ["TOKENIZER_FILE", "archive_base", "named_beside", "write_beside", "chat_config", "find_tokenizer",
+           "load_tokenizer", "read_text", "read_ids", "TokenSource",
            "token_source", "byte_level_tokenizer", "sample_text", "SAMPLE_TEXT", "decode_stream"]
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -33,12 +34,33 @@ SAMPLE_TEXT = Path(__file__).resolve().parent / "samples" / "texts" / "declarati
 MAX_TEXT_BYTES = 1 << 30  # a text file larger than this is refused before it is read
 
 
+#: suffixes taken off an archive's name to name the files written beside it (``smol.nnef.tgz`` -> ``smol``)
+ARCHIVE_SUFFIXES = (".nnef.tgz", ".nnef.tar.gz", ".nnef.tar", ".tgz", ".tar.gz", ".tar", ".nnef", ".gguf", ".onnx")
+
+
+def archive_base(path: str | os.PathLike) -> str:
+    """The archive's name without its archive suffix (``model.nnef.tgz`` -> ``model``)."""
+    name = Path(path).name
+    low = name.lower()
+    cut = next((s for s in ARCHIVE_SUFFIXES if low.endswith(s) and len(name) > len(s)), "")
+    return name[: len(name) - len(cut)] if cut else name
+
+
+def named_beside(archive: str | os.PathLike, file: str) -> Path:
+    """``<base>.<file>`` beside ``archive``: where ``convert`` writes a front end's file when an unrelated
+    ``<file>`` is already there (``smol.tokenizer.json``)."""
+    a = Path(archive)
+    return a.parent / f"{archive_base(a)}.{file}"
+
+
 def find_tokenizer(archive: str | os.PathLike) -> Path | None:
-    """The ``tokenizer.json`` an exporter left next to ``archive``, or None. Looked for, in order: inside
-    a model folder, beside the archive, ``../tokenizer/`` (torch-to-nnef), the parent folder."""
+    """The ``tokenizer.json`` an exporter left next to ``archive``, or None. Looked for, in order: the one
+    named after the archive (``<base>.tokenizer.json``, see :func:`named_beside`), inside a model folder,
+    beside the archive, ``../tokenizer/`` (torch-to-nnef), the parent folder."""
     a = Path(archive)
     here = a if a.is_dir() else a.parent
-    candidates = [a / TOKENIZER_FILE] if a.is_dir() else []
+    candidates = [named_beside(a, TOKENIZER_FILE)]
+    candidates += [a / TOKENIZER_FILE] if a.is_dir() else []
     candidates += [here / TOKENIZER_FILE if not a.is_dir() else here.parent / TOKENIZER_FILE,
                    here.parent / "tokenizer" / TOKENIZER_FILE, here / "tokenizer" / TOKENIZER_FILE,
                    here.parent / TOKENIZER_FILE]
@@ -50,6 +72,41 @@ def find_tokenizer(archive: str | os.PathLike) -> Path | None:
         if c.is_file():
             return c
     return None
+
+
+def write_beside(archive: str | os.PathLike, files: dict[str, bytes]) -> list[Path]:
+    """Write a front end's files (``tokenizer.json``, ``tokenizer_config.json``) beside ``archive``, each
+    atomically: under its own name when absent or holding the same bytes, else all of them as
+    ``<base>.<name>`` (found first by :func:`find_tokenizer`), so no unrelated file is replaced."""
+    from .atomic import atomic_write
+
+    a = Path(archive)
+    plain = all(not (a.parent / n).exists() or (a.parent / n).read_bytes() == b for n, b in files.items())
+    written = []
+    for name, data in files.items():
+        target = a.parent / name if plain else named_beside(a, name)
+        if target.exists() and target.read_bytes() == data:
+            written.append(target)
+            continue
+        with atomic_write(target) as f:
+            f.write(data)
+        written.append(target)
+    return written
+
+
+def chat_config(tokenizer_path: str | os.PathLike) -> dict[str, Any] | None:
+    """The ``tokenizer_config.json`` beside a tokenizer (``<base>.tokenizer_config.json`` for
+    ``<base>.tokenizer.json``), parsed, or None when there is none or it is not a JSON object."""
+    p = Path(tokenizer_path)
+    name = p.name[: -len(TOKENIZER_FILE)] + "tokenizer_config.json" if p.name.endswith(TOKENIZER_FILE) else None
+    cfg = p.parent / name if name else None
+    if cfg is None or not cfg.is_file():
+        return None
+    try:
+        doc = json.loads(cfg.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
 
 
 def load_tokenizer(path: str | os.PathLike, what: str = "--tokenizer") -> Any:

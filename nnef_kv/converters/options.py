@@ -88,9 +88,10 @@ class ConvertOptions:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--scheme`` (the registered schemes) and every scheme's option flags (default: the scheme's)."""
     reg = _schemes.SCHEMES
-    parser.add_argument("--scheme", default=_schemes.DEFAULT_SCHEME, choices=list(reg),
+    parser.add_argument("--scheme", default=None, choices=list(reg),
                         help="; ".join(f"{s.name}: {s.summary}" for s in reg.values())
-                        + f" (default {_schemes.DEFAULT_SCHEME})")
+                        + f" (default {_schemes.DEFAULT_SCHEME}; a .gguf input without --scheme or a scheme flag "
+                          "is imported only: its f32 archive, KV cache unchanged)")
     for spec in _schemes.all_options():
         takers = [s for s in reg.values() if spec.name in s.option_names]
         defaults = ", ".join(f"{_default(s, spec.name)} ({s.name})" for s in takers)
@@ -113,4 +114,10 @@ def _default(s: _schemes.Scheme, name: str) -> Any:
 
 def from_arguments(args: argparse.Namespace) -> ConvertOptions:
     """The validated options of parsed :func:`add_arguments` flags."""
-    return ConvertOptions.of(args.scheme, **{s.name: getattr(args, s.name, None) for s in _schemes.all_options()})
+    return ConvertOptions.of(args.scheme or _schemes.DEFAULT_SCHEME,
+                             **{s.name: getattr(args, s.name, None) for s in _schemes.all_options()})
+
+
+def scheme_given(args: argparse.Namespace) -> bool:
+    """Whether the command line chose a KV scheme: ``--scheme`` or any scheme's flag."""
+    return args.scheme is not None or any(getattr(args, s.name, None) is not None for s in _schemes.all_options())

@@ -66,6 +66,12 @@ class DecoderConfig:
     spelling: str = "torch-to-nnef"
     weights: str = "f32"
     name: str = field(default="nnef_kv_tiny_llama")
+    #: the LM head reads the token embedding (one array, used by the gather and the last linear)
+    tied_embeddings: bool = False
+    #: q/k/v projections with a bias (Qwen2)
+    attention_bias: bool = False
+    #: an RMSNorm over head_dim on each query and key head before RoPE (Qwen3)
+    qk_norm: bool = False
 
     def validate(self) -> None:
         from ..errors import GraphError
@@ -87,6 +93,9 @@ class DecoderConfig:
                                       or (self.heads * self.head_dim) % 32):
             raise GraphError("decoder config: weights='q4_0' needs the torch-to-nnef spelling and hidden, mlp and "
                              "heads * head_dim multiples of 32 (Q4_0 blocks of 32 inputs)")
+        if self.spelling == "tract" and (self.tied_embeddings or self.attention_bias or self.qk_norm):
+            raise GraphError("decoder config: tied embeddings, attention biases and q/k norms are written in the "
+                             "torch-to-nnef spelling only")
         if self.spelling == "tract" and self.cache != "dyn":
             raise GraphError("decoder config: spelling='tract' is written with cache='dyn' only (tract's own form "
                              "keeps the caches in its state)")
@@ -145,13 +154,20 @@ def build_decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
         k[outlier_rows] *= 4.0
         t[p + "self_attn.k_proj.weight"] = k
         t[p + "self_attn.v_proj.weight"] = w(cfg.kv_heads * d, h)
+        if cfg.attention_bias:
+            for proj, n in (("q", cfg.heads), ("k", cfg.kv_heads), ("v", cfg.kv_heads)):
+                t[p + f"self_attn.{proj}_proj.bias"] = w(n * d)
+        if cfg.qk_norm:
+            for proj in ("q", "k"):
+                t[p + f"self_attn.{proj}_norm.weight"] = (1.0 + 0.2 * rng.standard_normal(d)).astype(np.float32)
         t[p + "self_attn.o_proj.weight"] = w(h, cfg.heads * d)
         t[p + "post_attention_layernorm.weight"] = norm()
         t[p + "mlp.gate_proj.weight"] = w(cfg.mlp, h)
         t[p + "mlp.up_proj.weight"] = w(cfg.mlp, h)
         t[p + "mlp.down_proj.weight"] = w(h, cfg.mlp)
     t["model.norm.weight"] = norm()
-    t["lm_head.weight"] = w(cfg.vocab, h)
+    if not cfg.tied_embeddings:
+        t["lm_head.weight"] = w(cfg.vocab, h)
     inv = 1.0 / (cfg.rope_theta ** (np.arange(0, d, 2, dtype=np.float64) / d))
     t["model.rotary_emb.inv_freq"] = inv.astype(np.float32)
     if cfg.spelling == "tract":  # same values, tract's shapes: [1, out, in], [1, 1, hidden], [1, head_dim / 2]
@@ -171,10 +187,15 @@ def build_decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
 # ----------------------------------------------------------------------------------------------
 # graph text
 # ----------------------------------------------------------------------------------------------
+#: how a weight is stored: ``"f32"`` (default), ``"f16"`` (an f16 ``.dat`` cast to f32 in the graph), ``"blocks"``
+#: (tract block-quantized Q4_0 / Q8_1, declared without a ``<scalar>`` generic, as the exporter does)
+STORAGE_KINDS = ("f32", "f16", "blocks")
+
+
 class _Writer:
-    def __init__(self, q4: bool = False) -> None:
+    def __init__(self, storage: dict[str, str] | None = None) -> None:
         self.lines: list[str] = []
-        self.q4 = q4  # linear weights are Q4_0 blocks: declared without a <scalar> generic, as the exporter does
+        self.storage = dict(storage or {})  # label -> one of STORAGE_KINDS
 
     def __call__(self, lhs: str, rhs: str) -> str:
         self.lines.append(f"    {lhs} = {rhs};")
@@ -183,6 +204,12 @@ class _Writer:
 
 def _var(out: _Writer, name: str, label: str, shape: tuple[int, ...]) -> str:
     dims = ", ".join(str(s) for s in shape)
+    kind = out.storage.get(label, "f32")
+    if kind == "blocks":
+        return out(name, f"variable(label = '{label}', shape = [{dims}])")
+    if kind == "f16":
+        v = out(f"{name}_f16", f"variable<scalar>(label = '{label}', shape = [{dims}])")
+        return out(name, f"tract_core_cast({v}, to = 'f32')")
     return out(name, f"variable<scalar>(label = '{label}', shape = [{dims}])")
 
 
@@ -204,13 +231,29 @@ def _rmsnorm(out: _Writer, x: str, label: str, prefix: str, cfg: DecoderConfig) 
     return out(f"{prefix}_out", f"mul({we}, {normed})")
 
 
-def _linear(out: _Writer, x: str, label: str, shape: tuple[int, int], name: str) -> str:
-    if out.q4:
-        wv = out(f"{name}_weight", f"variable(label = '{label}', shape = [{shape[0]}, {shape[1]}])")
-    else:
-        wv = _var(out, f"{name}_weight", label, shape)
+def _linear(out: _Writer, x: str, label: str, shape: tuple[int, int], name: str, bias: str | None = None,
+            weight: str | None = None) -> str:
+    """``x @ W^T (+ b)``; ``weight``: an already declared ``[out, in]`` variable (a tied embedding)."""
+    wv = weight or _var(out, f"{name}_weight", label, shape)
     we = out(f"{name}_weight_expanded", f"unsqueeze({wv}, axes = [0])")
-    return out(name, f"linear({x}, {we}, 0.0)")
+    if bias is None:
+        return out(name, f"linear({x}, {we}, 0.0)")
+    lin = out(f"{name}_nobias", f"linear({x}, {we}, 0.0)")
+    bv = _var(out, f"{name}_bias", bias, (shape[0],))
+    be = out(f"{name}_bias_expanded", f"unsqueeze({bv}, axes = [0, 1])")
+    return out(name, f"add({lin}, {be})")
+
+
+def _head_norm(out: _Writer, x: str, label: str, cfg: DecoderConfig, name: str) -> str:
+    """RMSNorm of each head of ``[1, n, S, D]`` over D (Qwen3's q_norm / k_norm)."""
+    sq = out(f"{name}_pow", f"sqr({x})")
+    mean = out(f"{name}_variance", f"mean_reduce({sq}, axes = [3])")
+    add = out(f"{name}_add", f"add({mean}, {float(cfg.eps)!r})")
+    rs = out(f"{name}_rsqrt", f"rsqrt({add})")
+    normed = out(f"{name}_normed", f"mul({x}, {rs})")
+    wv = _var(out, f"{name}_weight", label, (cfg.head_dim,))
+    we = out(f"{name}_weight_expanded", f"unsqueeze({wv}, axes = [0, 1, 2])")
+    return out(name, f"mul({we}, {normed})")
 
 
 def _rope(out: _Writer, x: str, cos: str, sin: str, cfg: DecoderConfig, name: str) -> str:
@@ -240,14 +283,24 @@ def _repeat_kv(out: _Writer, x: str, cfg: DecoderConfig, total: str, name: str) 
     return out(name, f"reshape({t}, shape = [1, {cfg.heads}, {total}, {cfg.head_dim}])")
 
 
-def build_decoder_text(cfg: DecoderConfig) -> str:
-    """The ``graph.nnef`` text of the decoder described by ``cfg``."""
+def default_storage(cfg: DecoderConfig) -> dict[str, str]:
+    """label -> storage kind of the weights :func:`build_decoder_weights` makes (``weights="q4_0"``: the linear
+    weights are blocks)."""
+    if cfg.weights != "q4_0":
+        return {}
+    labels = [f"model.layers.{l}.{k}" for l in range(cfg.layers) for k in _LINEAR_WEIGHTS if k != "lm_head.weight"]
+    return {k: "blocks" for k in labels + ([] if cfg.tied_embeddings else ["lm_head.weight"])}
+
+
+def build_decoder_text(cfg: DecoderConfig, storage: dict[str, str] | None = None) -> str:
+    """The ``graph.nnef`` text of the decoder described by ``cfg``; ``storage``: label -> how the weight is
+    stored (:data:`STORAGE_KINDS`; default :func:`default_storage`)."""
     cfg.validate()
     if cfg.spelling == "tract":
         return _tract_text(cfg)
     explicit = cfg.cache == "explicit"
     d, hq, hkv = cfg.head_dim, cfg.heads, cfg.kv_heads
-    out = _Writer(q4=cfg.weights == "q4_0")
+    out = _Writer(default_storage(cfg) if storage is None else storage)
     inputs = ["input_ids"] + cache_input_names(cfg)
     outputs = ["outputs"] + cache_output_names(cfg)
     out("input_ids", "tract_core_external(shape = [1, S], datum_type = 'i64')")
@@ -255,7 +308,9 @@ def build_decoder_text(cfg: DecoderConfig) -> str:
         out(n, f"tract_core_external(shape = [1, {hkv}, P, {d}], datum_type = 'f32')")
     seq = _dim(out, "input_ids", 1, "seq_len")
     emb = _var(out, "embed_tokens_weight", "model.embed_tokens.weight", (cfg.vocab, cfg.hidden))
-    hidden = out("hidden_0", f"tract_core_gather({emb}, input_ids, axis = 0)")
+    # tract gathers from block-quantized data only when told the output type
+    dt = ", datum_type = 'f32'" if out.storage.get("model.embed_tokens.weight") == "blocks" else ""
+    hidden = out("hidden_0", f"tract_core_gather({emb}, input_ids, axis = 0{dt})")
     inv = _var(out, "rope_inv_freq", "model.rotary_emb.inv_freq", (d // 2,))
     inv_e = out("rope_inv_freq_expanded", f"unsqueeze({inv}, axes = [0, 1])")
     scale = 1.0 / float(np.sqrt(d))
@@ -292,12 +347,18 @@ def build_decoder_text(cfg: DecoderConfig) -> str:
         p = f"layer{l}"
         lab = f"model.layers.{l}."
         x = _rmsnorm(out, hidden, lab + "input_layernorm.weight", f"{p}_input_norm", cfg)
-        q = _linear(out, x, lab + "self_attn.q_proj.weight", (hq * d, cfg.hidden), f"{p}_q_proj")
-        k = _linear(out, x, lab + "self_attn.k_proj.weight", (hkv * d, cfg.hidden), f"{p}_k_proj")
-        v = _linear(out, x, lab + "self_attn.v_proj.weight", (hkv * d, cfg.hidden), f"{p}_v_proj")
+        def bias(proj: str) -> str | None:
+            return lab + f"self_attn.{proj}_proj.bias" if cfg.attention_bias else None
+
+        q = _linear(out, x, lab + "self_attn.q_proj.weight", (hq * d, cfg.hidden), f"{p}_q_proj", bias("q"))
+        k = _linear(out, x, lab + "self_attn.k_proj.weight", (hkv * d, cfg.hidden), f"{p}_k_proj", bias("k"))
+        v = _linear(out, x, lab + "self_attn.v_proj.weight", (hkv * d, cfg.hidden), f"{p}_v_proj", bias("v"))
         qh = _heads(out, q, hq, cfg, seq, f"{p}_q")
         kh = _heads(out, k, hkv, cfg, seq, f"{p}_k")
         vh = _heads(out, v, hkv, cfg, seq, f"{p}_v")
+        if cfg.qk_norm:
+            qh = _head_norm(out, qh, lab + "self_attn.q_norm.weight", cfg, f"{p}_q_norm")
+            kh = _head_norm(out, kh, lab + "self_attn.k_norm.weight", cfg, f"{p}_k_norm")
         if explicit:
             vc = out(f"out_cache_value_{l}", f"concat([in_cache_value_{l}, {vh}], axis = 2)")
         else:
@@ -343,7 +404,8 @@ def build_decoder_text(cfg: DecoderConfig) -> str:
     fin = _rmsnorm(out, hidden, "model.norm.weight", "final_norm", cfg)
     last_begin = out("last_begin", f"sub({seq}, 1)")
     last = out("last_hidden", f"slice({fin}, axes = [1], begin = [{last_begin}], end = [{seq}], stride = [1])")
-    _linear(out, last, "lm_head.weight", (cfg.vocab, cfg.hidden), "outputs")
+    _linear(out, last, "lm_head.weight", (cfg.vocab, cfg.hidden), "outputs",
+            weight=emb if cfg.tied_embeddings else None)
 
     head = ["version 1.0;", "", "extension tract_registry tract_core;"]
     if not explicit:

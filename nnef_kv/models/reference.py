@@ -25,7 +25,8 @@ def _rope(x: np.ndarray, pos: np.ndarray, inv: np.ndarray) -> np.ndarray:
 def reference_logits(cfg: DecoderConfig, weights: dict[str, np.ndarray], ids: np.ndarray) -> np.ndarray:
     """Logits ``[T, vocab]`` of every position of ``ids`` (one full causal forward, float64). The weights
     may have either spelling's shapes (``spelling="tract"`` adds leading unit axes)."""
-    w = {k: v.astype(np.float64).reshape(v.shape[-1:] if k.endswith(("norm.weight", "inv_freq")) else v.shape[-2:])
+    w = {k: v.astype(np.float64).reshape(v.shape[-1:] if k.endswith(("norm.weight", "inv_freq", "bias"))
+                                         else v.shape[-2:])
          for k, v in weights.items()}
     ids = np.asarray(ids).reshape(-1)
     t, d = ids.size, cfg.head_dim
@@ -36,9 +37,14 @@ def reference_logits(cfg: DecoderConfig, weights: dict[str, np.ndarray], ids: np
     for l in range(cfg.layers):
         p = f"model.layers.{l}."
         x = _rms(h, w[p + "input_layernorm.weight"], cfg.eps)
-        q = (x @ w[p + "self_attn.q_proj.weight"].T).reshape(t, cfg.heads, d).transpose(1, 0, 2)
-        k = (x @ w[p + "self_attn.k_proj.weight"].T).reshape(t, cfg.kv_heads, d).transpose(1, 0, 2)
-        v = (x @ w[p + "self_attn.v_proj.weight"].T).reshape(t, cfg.kv_heads, d).transpose(1, 0, 2)
+        def proj(name: str, n: int) -> np.ndarray:
+            y = x @ w[p + f"self_attn.{name}_proj.weight"].T
+            if cfg.attention_bias:
+                y = y + w[p + f"self_attn.{name}_proj.bias"]
+            y = y.reshape(t, n, d).transpose(1, 0, 2)
+            return _rms(y, w[p + f"self_attn.{name}_norm.weight"], cfg.eps) if cfg.qk_norm and name != "v" else y
+
+        q, k, v = proj("q", cfg.heads), proj("k", cfg.kv_heads), proj("v", cfg.kv_heads)
         q, k = _rope(q, pos, inv), _rope(k, pos, inv)
         k = np.repeat(k, cfg.groups, axis=0)
         v = np.repeat(v, cfg.groups, axis=0)
@@ -52,4 +58,5 @@ def reference_logits(cfg: DecoderConfig, weights: dict[str, np.ndarray], ids: np
         g = x @ w[p + "mlp.gate_proj.weight"].T
         u = x @ w[p + "mlp.up_proj.weight"].T
         h = h + ((g / (1 + np.exp(-g))) * u) @ w[p + "mlp.down_proj.weight"].T
-    return _rms(h, w["model.norm.weight"], cfg.eps) @ w["lm_head.weight"].T
+    head = w["model.embed_tokens.weight"] if cfg.tied_embeddings else w["lm_head.weight"]
+    return _rms(h, w["model.norm.weight"], cfg.eps) @ head.T

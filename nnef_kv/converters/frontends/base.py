@@ -22,6 +22,8 @@ class FrontEnd:
     names: tuple[str, ...] = ()
     folder: bool = False
     sniff: Callable[[bytes], bool] | None = None
+    #: keyword options ``load`` takes (``convert --weights`` for GGUF); others are refused by name
+    options: tuple[str, ...] = ()
 
     def claims_name(self, path: Path) -> bool:
         low = path.name.lower()
