@@ -203,5 +203,32 @@ def test_plan_attention_at_2048_tokens_stays_under_a_bound(monkeypatch) -> None:
     monkeypatch.setattr(blocked, "SCORE_BYTES", 4 * MiB)
     blocked_peak = prefill_peak()
     monkeypatch.setattr(blocked, "SCORE_BYTES", ONE_CALL)
+    monkeypatch.setattr(blocked, "CAUSAL_BLOCKS", 1)
     one_call_peak = prefill_peak()
     assert blocked_peak < 72 * MiB < one_call_peak, (blocked_peak / MiB, one_call_peak / MiB)
+
+
+def test_plan_blocks_leave_out_only_keys_whose_weight_is_exactly_zero() -> None:
+    """The fused chain's blocks leave out the trailing keys of a block only when the mask puts them so far
+    below every row's visible keys (against a bound of the scores) that one call weights them exactly 0."""
+    from nnef_kv.interpreter.plan.attention import _score_bound, _unseen_from
+
+    q, k, v = _qkv(4, 2, 64, 64)
+    smax = _score_bound(q, k, v, np.float32(0.25))
+    s = 0.25 * np.einsum("bhqd,bhkd->bhqk", q, np.repeat(k, 2, axis=1))
+    assert smax is not None and np.max(np.abs(s)) <= smax
+    fut = np.arange(64)[None, :] > np.arange(64)[:, None]
+    hard = (fut * np.float32(-1e9)).astype(np.float32)[None, None]
+    assert _unseen_from(hard[:, :, 16:32], smax) == 32  # rows 16..31 see keys 0..31
+    assert _unseen_from(hard[:, :, 48:64], smax) == 64  # the last rows see every key
+    soft = (fut * np.float32(-2 * smax - 50)).astype(np.float32)[None, None]  # exp(-50): small, not 0
+    assert _unseen_from(soft[:, :, 16:32], smax) == 64
+    inf = np.where(fut, np.float32(-np.inf), np.float32(0))[None, None]
+    assert _unseen_from(inf[:, :, 0:8], smax) == 8
+    assert _unseen_from(np.full((1, 1, 8, 64), -np.inf, np.float32), smax) == 64  # rows that see nothing
+    for bad in ("q", "k", "v"):
+        arrays = {"q": q.copy(), "k": k.copy(), "v": v.copy()}
+        arrays[bad][0, 0, 5, 3] = np.nan if bad != "v" else np.inf
+        assert _score_bound(arrays["q"], arrays["k"], arrays["v"], None) is None
+    big = q * np.float32(1e18)
+    assert _score_bound(big, k, v, None) is None or _unseen_from(hard[:, :, 16:32], _score_bound(big, k, v, None)) == 64
