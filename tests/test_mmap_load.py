@@ -170,3 +170,18 @@ def test_tied_embedding_is_one_array_in_the_plan() -> None:
     out = s.run(sig_inputs)
     logits = np.asarray(out[s.output_names[0]]).reshape(-1, cfg.vocab)
     assert logits.shape[-1] == cfg.vocab and np.all(np.isfinite(logits))
+
+
+def test_unchanged_tensors_are_copied_not_re_encoded(archives: dict[str, str], tmp_path) -> None:
+    from nnef_kv.io.archive import model_members
+
+    model = nnef_kv.load(archives["m.tar"])
+    members = model_members(model, "m.tar")
+    for label, t in model.tensors.items():
+        header, *payload = members[label + ".dat"]
+        assert len(payload) == 1 and np.shares_memory(np.frombuffer(payload[0], np.uint8), t)  # the mapping itself
+    out = nnef_kv.save(model, tmp_path / "again.tar")
+    again = nnef_kv.load(out)
+    for label, t in model.tensors.items():
+        assert again.tensor_info[label] == model.tensor_info[label]
+        np.testing.assert_array_equal(again.tensors[label], t)

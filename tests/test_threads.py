@@ -126,3 +126,26 @@ def test_cli_threads_option(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: p
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args([command, "--help"])
         assert "--threads N" in capsys.readouterr().out
+
+
+def test_default_threads_step_back_to_one_while_other_processes_hold_the_cpus(monkeypatch: pytest.MonkeyPatch
+                                                                               ) -> None:
+    monkeypatch.delenv(parallel.THREADS_ENV, raising=False)
+    monkeypatch.setattr(parallel, "usable_cpus", lambda: 2)
+    watch = parallel.LoadWatch(interval=0.0)
+    monkeypatch.setattr(parallel, "LOAD", watch)
+    model, _ = _model(256, 1024)
+    x = np.ones((1, 8, 256), np.float32)
+    auto, forced = Session(model), Session(model, threads=2)
+    assert auto.auto_threads and not forced.auto_threads and auto.threads == 2
+    load = [3.0]
+    monkeypatch.setattr(parallel.os, "getloadavg", lambda: (load[0], load[0], load[0]))
+    before = _splits()
+    auto.run({"x": x})  # others hold the second CPU: one thread
+    assert _splits() == before and watch.others > 2.0
+    forced.run({"x": x})  # an explicit threads=2 is what the user asked for
+    assert _splits() == before + 1
+    load[0] = 0.0
+    auto.run({"x": x})  # the machine is quiet again: two threads
+    assert _splits() == before + 2
+    assert parallel.run_threads(2, auto=False) == 2 and parallel.run_threads(1, auto=True) == 1

@@ -22,7 +22,7 @@ from ..grammar import ast as A
 from .graph import Node
 from .graph import slots_of as _slots_of
 from .plan import Plan, bind_inputs, execute, get_plan
-from .plan.parallel import BLAS, check_threads
+from .plan.parallel import BLAS, THREADS_ENV, check_threads, run_threads
 from .plan.steps import symbolic_attrs as _symbolic_attrs
 from .registry import NO_CHECKPOINT, KvState
 
@@ -74,6 +74,8 @@ class Session:
         None (the default): the usable CPUs, at most 2. Whatever the value, BLAS itself runs on one thread
         while the session runs (its own threads collapse on a loaded machine; see the thread policy there)."""
         self.threads = check_threads(threads)
+        #: left at the default: a run goes on one thread while other processes hold the CPUs (plan/parallel.py)
+        self.auto_threads = threads is None and not os.environ.get(THREADS_ENV)
         self.model = model
         self.plan = get_plan(model)
         self.states: list[KvState] = []
@@ -145,7 +147,7 @@ class Session:
         elif capture is None and not self.states:  # the decode path of stateless graphs: nothing else to do
             v = bind_inputs(plan, inputs)
             with BLAS:
-                execute(plan, v, self.states, threads=self.threads)
+                execute(plan, v, self.states, threads=run_threads(self.threads, self.auto_threads))
             return {name: v[slot] for name, slot in plan.outputs}
         else:
             v = bind_inputs(plan, inputs, self._state_symbols() if self.states else None)
@@ -167,7 +169,7 @@ class Session:
         marks = self._checkpoint() if (checkpoint and self.states) else None
         try:
             with BLAS:
-                execute(plan, v, self.states, keep, self.threads, taps)
+                execute(plan, v, self.states, keep, run_threads(self.threads, self.auto_threads), taps)
         except BaseException as exc:
             if marks is not None:
                 self._rollback(marks, exc)

@@ -25,7 +25,10 @@ OpenBLAS on two threads hands half of each product to a worker and *waits* for i
 process on the other core that worker is descheduled for a time slice, and a 1 x 576 x 1536 product
 took 8.0 ms instead of 0.12 ms (743 ms a token instead of 74.5 ms). The claimed helper here never
 waits on a worker that is not running. :func:`default_threads` (what ``Session(threads=None)`` and the
-CLI's default use) is the usable CPUs, capped at the two halves this splitter makes.
+CLI's default use) is the usable CPUs, capped at the two halves this splitter makes; a session left at
+that default also runs on one thread while other processes hold the second CPU (:class:`LoadWatch`:
+the load average less its own use), since the claimed helper then mostly comes late (measured on the
+VM at load average ~9: threads=2 0.68x of threads=1's tokens/s).
 """
 from __future__ import annotations
 
@@ -253,6 +256,58 @@ class BlasThreads:
 BLAS = BlasThreads()
 
 
+class LoadWatch:
+    """Whether the CPUs a second thread needs are free of other processes: the 1-minute load average less
+    this process's own busy threads (its CPU time over wall time, averaged over about the same minute), looked
+    at most every ``interval`` seconds. Two threads are worth it only when, beside this process, fewer than
+    ``cpus - 2 + 0.5`` CPUs' worth of other work is running (on 2 CPUs: the other core mostly idle). A fresh
+    process's own use is first taken as its average since the watch was made (the module's import)."""
+
+    def __init__(self, interval: float = 1.0) -> None:
+        self.interval = interval
+        self._lock = threading.Lock()
+        self._t = time.monotonic()
+        self._cpu = time.process_time()
+        self._own: float | None = None
+        self._free = False
+        self._next = 0.0
+        self.others = 0.0  # the last estimate of other processes' running threads
+
+    def free(self) -> bool:
+        now = time.monotonic()
+        if now < self._next:
+            return self._free
+        with self._lock:
+            cpu = time.process_time()
+            span = max(now - self._t, 1e-6)
+            use = min((cpu - self._cpu) / span, float(usable_cpus()))
+            a = 1.0 if self._own is None else min(1.0, span / 60.0)
+            own = (1 - a) * (self._own or 0.0) + a * use
+            self._own = own
+            self._t, self._cpu = now, cpu
+            try:
+                load = os.getloadavg()[0]
+            except (AttributeError, OSError):  # no load average: trust the claimed helper's own back-off
+                self._free, self._next = True, now + self.interval
+                return True
+            self.others = max(0.0, load - own)
+            self._free = self.others < usable_cpus() - 2 + 0.5
+            self._next = now + self.interval
+        return self._free
+
+
+#: the process-wide load watch of sessions left at the default ``threads`` (see :func:`run_threads`)
+LOAD = LoadWatch()
+
+
+def run_threads(threads: int, auto: bool) -> int:
+    """The threads one run uses: ``threads``, except that a session left at the default (``auto``) runs on one
+    thread while other processes hold the CPUs its second thread needs (:data:`LOAD`)."""
+    if auto and threads > 1 and not LOAD.free():
+        return 1
+    return threads
+
+
 __all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "split_worth", "MIN_SPLIT_BYTES", "MIN_SPLIT_WORK",
            "BLAS", "BlasThreads", "default_threads", "check_threads", "usable_cpus",
-           "THREADS_ENV"]
+           "THREADS_ENV", "LOAD", "LoadWatch", "run_threads"]

@@ -1,0 +1,307 @@
+"""Real-size rows against tract (issue 26): memory and load, decode on one and two threads (quiet and loaded
+machine), writing and converting archives, and the products by transposed weights.
+
+The model is the package's built-in decoder (``nnef_kv/models/llama.py``) at the SmolLM2-135M shape:
+``DecoderConfig(vocab=49152, hidden=576, layers=30, heads=9, kv_heads=3, head_dim=64, mlp=1536,
+rope_theta=1e5, cache="explicit")`` (random weights N(0, 1/hidden), f32, 651 MB), written as a ``.tar``
+in a temporary folder. tract 0.23.9 runs the same archive (``nnef_kv.tract_driver``). Every row is
+printed with the ``uptime`` load average: other processes share this machine.
+
+* ``--rows memory``: each engine in a fresh process: load time, then RSS (anonymous + file-backed) after
+  load and after the prompt and one decode call.
+* ``--rows decode``: nnef-kv and tract decoding side by side, one token each in turn (order alternating,
+  as ``benchmarks/decode.py --lockstep``), nnef-kv at ``Session(threads=1)``, ``threads=2`` and the
+  default (which steps back to one thread while other processes hold the second CPU), with BLAS left
+  at its own default (all cores): the session holds it at one thread itself.
+  Then the same with another process spinning on a core (``--no-loaded`` skips that).
+* ``--rows write``: ``nnef_kv.save`` of the loaded model as a folder, a ``.tar`` and a ``.tgz`` (the
+  compressor :func:`nnef_kv.io.container.gzip_writer` picks), and ``convert`` to KIVI-4 into a ``.tgz``;
+  zlib's levels timed on ``--gzip-mib`` MiB of the archive (the rate is per MiB: at 7 MiB/s a whole
+  archive takes minutes).
+* ``--rows products``: ``x @ W.T`` on the transposed view against a contiguous transposed copy (what
+  the plan did before), BLAS on one thread.
+
+    python benchmarks/scale.py                      # every row (about 4-6 minutes on the 2-core VM)
+    python benchmarks/scale.py --rows decode --steps 24
+    python benchmarks/scale.py --layers 4           # a quick smoke run of the same shape, fewer layers
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE.parent))
+
+from decode import _last, _NnefKvCalls, _tract_calls  # noqa: E402  (this script's folder is on sys.path)
+
+MIB = 1 << 20
+
+
+def smollm2_config(layers: int = 30, weights: str = "f32") -> Any:
+    from nnef_kv.models import DecoderConfig
+
+    return DecoderConfig(vocab=49152, hidden=576, layers=layers, heads=9, kv_heads=3, head_dim=64, mlp=1536,
+                         rope_theta=1e5, cache="explicit", init_std=576 ** -0.5, weights=weights, name="smollm2")
+
+
+def uptime() -> str:
+    return "load average " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+# ------------------------------------------------------------------------------------------------ memory
+CHILD = """
+import json, sys, time
+import numpy as np
+sys.path[:0] = {paths!r}
+from decode import _last, _NnefKvCalls, _tract_calls
+def mem():
+    got = {{}}
+    for line in open("/proc/self/status"):
+        if line.startswith(("RssAnon", "RssFile", "VmHWM")):
+            k, v = line.split(":")
+            got[k] = int(v.split()[0]) / 1024
+    return got
+engine, folder, prompt = sys.argv[1], sys.argv[2], np.array(json.loads(sys.argv[3]), np.int64)
+import pickle
+base = mem()
+t = time.perf_counter()
+if engine == "nnef-kv":
+    import nnef_kv
+    from nnef_kv.interpreter.session import Session
+    calls = _NnefKvCalls(Session(nnef_kv.load(folder)))
+    first, step = calls.first, calls.step
+else:
+    sig = pickle.loads(bytes.fromhex(sys.argv[4]))
+    first, step = _tract_calls(folder, sig)
+load = time.perf_counter() - t
+after_load = mem()
+step(int(np.argmax(_last(first(prompt)))))
+print(json.dumps({{"load_s": load, "base": base, "load": after_load, "run": mem()}}))
+"""
+
+
+def memory_rows(folder: Path, prompt: np.ndarray, sig: Any) -> None:
+    import pickle
+
+    code = CHILD.format(paths=[str(HERE), str(HERE.parent)])
+    got = {}
+    for engine in ("nnef-kv", "tract"):
+        done = subprocess.run([sys.executable, "-c", code, engine, str(folder), json.dumps(prompt.tolist()),
+                               pickle.dumps(sig).hex()], capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"memory: the {engine} process failed: {done.stderr.strip().splitlines()[-1:]}")
+        got[engine] = json.loads(done.stdout.strip().splitlines()[-1])
+    print(f"\n## memory and load ({uptime()})")
+    print("| engine | load s | RSS after load MiB (anon + file) | after prompt + 1 step MiB (anon + file) | peak MiB |")
+    print("|---|---|---|---|---|")
+    for engine, r in got.items():
+        cells = [f"{r[k]['RssAnon'] + r[k]['RssFile']:.0f} ({r[k]['RssAnon']:.0f} + {r[k]['RssFile']:.0f})"
+                 for k in ("load", "run")]
+        print(f"| {engine} | {r['load_s']:.2f} | {cells[0]} | {cells[1]} | {r['run']['VmHWM']:.0f} |")
+    ours, theirs = got["nnef-kv"], got["tract"]
+    tot = {e: got[e]["run"]["RssAnon"] + got[e]["run"]["RssFile"] for e in got}
+    print(f"nnef-kv / tract: load time {ours['load_s'] / theirs['load_s']:.2f}x, RSS after a step "
+          f"{tot['nnef-kv'] / tot['tract']:.2f}x")
+
+
+# ------------------------------------------------------------------------------------------------ decode
+class _Timed:
+    def __init__(self, first: Any, step: Any) -> None:
+        self._first, self._step, self.times, self.tokens = first, step, [], []
+
+    def first(self, prompt: np.ndarray) -> None:
+        self.tokens = [int(np.argmax(_last(self._first(prompt))))]
+
+    def step(self) -> None:
+        t = time.perf_counter()
+        logits = self._step(self.tokens[-1])
+        self.times.append(time.perf_counter() - t)
+        self.tokens.append(int(np.argmax(_last(logits))))
+
+
+def decode_rows(model: Any, folder: Path, prompt: np.ndarray, steps: int, loaded: bool) -> None:
+    from nnef_kv.interpreter.plan import parallel
+    from nnef_kv.interpreter.session import Session
+
+    sig = _NnefKvCalls(Session(model, threads=1)).sig
+    tract_first, tract_step = _tract_calls(folder, sig)
+    settings = [("threads=1", 1), ("threads=2", 2), (f"default ({parallel.default_threads()})", None)]
+    for spin in ([False, True] if loaded else [False]):
+        spinner = None
+        if spin:  # another process on a core: what other users of a shared machine do
+            spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            time.sleep(1.0)
+        try:
+            print(f"\n## decode, {steps - 1} tokens after a {len(prompt)}-token prompt, paired with tract "
+                  f"({'one process spinning beside' if spin else 'no extra load'}; {uptime()})")
+            print("| nnef-kv | ms/token (median) | tract ms/token | tok/s ratio vs tract | same tokens | "
+                  "splits / taken back / paused |")
+            print("|---|---|---|---|---|---|")
+            rows = {}
+            for label, threads in settings:
+                ours = _Timed(*_calls_of(Session(model, threads=threads)))
+                theirs = _Timed(tract_first, tract_step)
+                sp = parallel.SPLITTER
+                before = (sp.split, sp.taken_back, sp.paused)
+                ours.first(prompt)
+                theirs.first(prompt)
+                for i in range(steps - 1):
+                    for e in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
+                        e.step()
+                a, b = float(np.median(ours.times)), float(np.median(theirs.times))
+                rows[label] = a
+                counts = "/".join(str(x - y) for x, y in zip((sp.split, sp.taken_back, sp.paused), before))
+                print(f"| {label} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {ours.tokens == theirs.tokens} | "
+                      f"{counts} |", flush=True)
+            print(f"(the default's load watch: {parallel.LOAD.others:.2f} CPUs of other work beside this process, "
+                  f"so {'two threads' if parallel.LOAD.free() else 'one thread'})")
+            one = rows["threads=1"]
+            print("two threads / one thread tok/s: " + ", ".join(f"{k} {one / v:.2f}x" for k, v in rows.items()
+                                                                 if k != "threads=1"))
+        finally:
+            if spinner is not None:
+                spinner.kill()
+                spinner.wait()
+
+
+def _calls_of(session: Any) -> tuple[Any, Any]:
+    calls = _NnefKvCalls(session)
+    return calls.first, calls.step
+
+
+# ------------------------------------------------------------------------------------------------ write
+def write_rows(model: Any, folder: Path, tmp: Path, gzip_mib: int, convert: bool) -> None:
+    import shutil
+
+    import nnef_kv
+    from nnef_kv.io import container
+
+    try:
+        import isal  # noqa: F401
+        fast = f"isal level {container.ISAL_LEVEL}"
+    except ImportError:
+        fast = f"zlib level {container.ZLIB_LEVEL} (isal not installed)"
+    size = folder.stat().st_size
+    print(f"\n## writing ({size / MIB:.0f} MiB of .tar; {uptime()})")
+    print("| output | seconds | MiB/s | size / .tar |")
+    print("|---|---|---|---|")
+    for name, what in (("out", "folder"), ("out.tar", ".tar"), ("out.tgz", f".tgz, {fast}")):
+        t = time.perf_counter()
+        nnef_kv.save(model, tmp / name)
+        dt = time.perf_counter() - t
+        p = tmp / name
+        n = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
+        print(f"| {what} | {dt:.2f} | {size / MIB / dt:.0f} | {n / size:.4f} |", flush=True)
+        shutil.rmtree(p) if p.is_dir() else p.unlink()
+    with open(folder, "rb") as f:
+        f.seek(min(size // 4, max(0, size - gzip_mib * MIB)))
+        sample = f.read(gzip_mib * MIB)
+    for level in (1, 6, 9):
+        t = time.perf_counter()
+        c = zlib.compress(sample, level)
+        dt = time.perf_counter() - t
+        print(f"| zlib level {level}, {len(sample) >> 20} MiB sample | {dt:.2f} | {len(sample) / MIB / dt:.1f} | "
+              f"{len(c) / len(sample):.4f} |", flush=True)
+    try:
+        from isal import isal_zlib
+
+        for level in (1, 2):
+            t = time.perf_counter()
+            c = isal_zlib.compress(sample, level)
+            dt = time.perf_counter() - t
+            print(f"| isal level {level}, {len(sample) >> 20} MiB sample | {dt:.2f} | {len(sample) / MIB / dt:.1f} | "
+                  f"{len(c) / len(sample):.4f} |", flush=True)
+    except ImportError:
+        pass
+    if convert:
+        from nnef_kv.converters import convert as run_convert
+
+        t = time.perf_counter()
+        converted, _ = run_convert(nnef_kv.load(folder), scheme="kivi", bits=4)
+        t1 = time.perf_counter()
+        nnef_kv.save(converted, tmp / "kivi.tgz")
+        t2 = time.perf_counter()
+        print(f"convert to KIVI-4 .tgz: {t2 - t:.2f} s ({t1 - t:.2f} s load + passes, {t2 - t1:.2f} s saving; "
+              f"{(tmp / 'kivi.tgz').stat().st_size / size:.4f} of the .tar)")
+
+
+# ------------------------------------------------------------------------------------------------ products
+def product_rows() -> None:
+    from threadpoolctl import threadpool_limits
+
+    rng = np.random.default_rng(0)
+
+    def best(f: Any, reps: int) -> float:
+        f()
+        ts = []
+        for _ in range(reps):
+            t = time.perf_counter()
+            f()
+            ts.append(time.perf_counter() - t)
+        return min(ts)
+
+    print(f"\n## products by a transposed weight, BLAS on one thread, best of N ({uptime()})")
+    print("| rows x in x out | contiguous copy us | transposed view us | view / copy |")
+    print("|---|---|---|---|")
+    with threadpool_limits(1, "blas"):
+        for m, k, n in [(1, 576, 1536), (1, 1536, 576), (1, 576, 49152), (8, 576, 1536), (64, 576, 1536),
+                        (512, 576, 1536), (512, 1536, 576)]:
+            a = rng.standard_normal((m, k), np.float32)
+            w = rng.standard_normal((n, k), np.float32)
+            bt = np.ascontiguousarray(w.T)
+            reps = min(300, max(5, int(1e8 / (m * k * n))))
+            c, v = best(lambda: a @ bt, reps), best(lambda: a @ w.T, reps)
+            print(f"| {m} x {k} x {n} | {c * 1e6:.1f} | {v * 1e6:.1f} | {v / c:.2f} |", flush=True)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", default="memory,decode,write,products", help="which rows, comma-separated")
+    ap.add_argument("--layers", type=int, default=30, help="decoder layers (30: SmolLM2-135M)")
+    ap.add_argument("--steps", type=int, default=17, help="decode calls per setting (the first is the prompt)")
+    ap.add_argument("--prompt", type=int, default=8, help="prompt tokens")
+    ap.add_argument("--no-loaded", action="store_true", help="skip the decode rows with a spinning process")
+    ap.add_argument("--gzip-mib", type=int, default=32, help="MiB of the archive each zlib level compresses")
+    ap.add_argument("--no-convert", action="store_true", help="skip the convert row")
+    args = ap.parse_args()
+    rows = set(args.rows.split(","))
+
+    import nnef_kv
+    from nnef_kv.interpreter.session import Session
+    from nnef_kv.models import build_decoder
+
+    print(f"# benchmarks/scale.py: SmolLM2-135M shape, {args.layers} layers, f32, explicit caches; "
+          f"{os.cpu_count()} CPUs; {uptime()}")
+    with tempfile.TemporaryDirectory(prefix="nnef-kv-scale-") as tmp_name:
+        tmp = Path(tmp_name)
+        t = time.perf_counter()
+        folder = nnef_kv.save(build_decoder(smollm2_config(args.layers)), tmp / "smollm2.tar")
+        print(f"built and saved {folder.name}: {folder.stat().st_size / MIB:.0f} MiB in "
+              f"{time.perf_counter() - t:.1f} s")
+        prompt = np.random.default_rng(42).integers(0, 49152, args.prompt).astype(np.int64)
+        model = nnef_kv.load(folder)
+        if "memory" in rows:
+            memory_rows(folder, prompt, _NnefKvCalls(Session(model, threads=1)).sig)
+        if "decode" in rows:
+            decode_rows(model, folder, prompt, args.steps, not args.no_loaded)
+        if "write" in rows:
+            write_rows(model, folder, tmp, args.gzip_mib, not args.no_convert)
+        if "products" in rows:
+            product_rows()
+    print(f"\ndone; {uptime()}")
+
+
+if __name__ == "__main__":
+    main()
