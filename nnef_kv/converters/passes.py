@@ -312,6 +312,13 @@ class AttentionPass:
                 iss = src.node.arg("input_sequence_shape")
                 if isinstance(iss, A.ArrayExpr) and len(iss.items) == 4 and isinstance(iss.items[2], A.Identifier):
                     ctx.new_symbol = ctx.new_symbol or iss.items[2].name
+                axis = static_value(src.node.arg("axis"))
+                if isinstance(pss, A.ArrayExpr) and isinstance(iss, A.ArrayExpr) and len(pss.items) == 4 \
+                        and len(iss.items) == 4 and axis in (2, -2):
+                    # its shape may still be read (the cached length of tract's stateful form): P + S on the axis
+                    full = list(pss.items)
+                    full[2] = A.BinaryExpr("+", pss.items[2], iss.items[2])
+                    ctx.removed_full[src.full] = full
                 drop.add(src.full)
         return head_dim
 
@@ -411,6 +418,13 @@ class CacheShapeToSymbolPass:
                 if r.name in g.producer and r.op in ("tract_core_shape_of", "shape_of"):
                     self._rewrite_shape(ctx, r, dims, rep)
         ctx.dead_code()
+        # a dyn cache replaced by the fused op whose shape only was read: gone now (its f32 state with it)
+        for full in ctx.removed_full:
+            node = g.producer.get(full)
+            if node is not None and node.op == DYN_CACHE_OP and not g.users(full) and full not in g.outputs:
+                del g.body[node.index]
+                g.reindex()
+                rep.nodes_removed.append(full)
         for past, dims in ctx.removed_inputs.items():
             for r in list(g.users(past)):
                 if g.producer.get(r.name) is not None and g.producer[r.name].stmt != r.stmt:
