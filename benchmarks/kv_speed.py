@@ -26,7 +26,8 @@ threads (it splits kv heads), so all sides may use the same cores. The BLAS libr
 kernel; to measure a current NumPy at its best, unset both *for the benchmark command only*.
 
 Run: ``python benchmarks/kv_speed.py --threads 1`` and ``--threads 2`` (``--repeat 30 --lengths 512 2048 8192
---bits 8 4 2 1``).
+--bits 8 4 2 1``). ``--rotated`` times the rotated-codebook op instead (:func:`rotated_main`: 3 kv heads x 64 and
+8 x 128, rotated 4/3/2-bit against exact f32, T = 8192 by default).
 """
 from __future__ import annotations
 
@@ -175,5 +176,68 @@ def main(argv=None) -> dict:
     return results
 
 
+def rotated_main(argv=None) -> dict:
+    """``--rotated``: the attention part of a decode step of ``nnef_kv_rotated_sdpa`` read from its codes
+    (:meth:`RotatedSdpa.attend_cache`, numba kernels unless ``NNEF_KV_NO_NUMBA=1``) against exact f32 attention
+    (:func:`softmax_attention`, GQA) over the same T tokens, at SmolLM2's shape (3 kv heads x 64, 9 query
+    heads) and 8 kv heads x 128 (8 query heads), interleaved rounds as above; the ratio is the median of the
+    per-round ratios (< 1: the codes are faster)."""
+    from nnef_kv.kv.rotated import RotatedSdpa
+
+    ap = argparse.ArgumentParser(description=rotated_main.__doc__.split("\n")[0])
+    ap.add_argument("--rotated", action="store_true")
+    ap.add_argument("--repeat", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--lengths", type=int, nargs="*", default=[8192])
+    ap.add_argument("--bits", type=int, nargs="*", default=[4, 3, 2])
+    ap.add_argument("--json", type=str, default="")
+    args = ap.parse_args(argv)
+    from threadpoolctl import threadpool_limits
+
+    from nnef_kv.kernels import numba_available
+
+    rng = np.random.default_rng(0)
+    results: dict = {"threads": args.threads, "numba": numba_available(), "rows": {}}
+    with threadpool_limits(args.threads):
+        print(f"BLAS: {blas_info()}; threads={args.threads}; numba kernels: {'on' if results['numba'] else 'off'}; "
+              f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        for hkv, hq, d in ((3, 9, 64), (8, 8, 128)):
+            for t in args.lengths:
+                k = rng.standard_normal((1, hkv, t, d)).astype(np.float32)
+                v = rng.standard_normal((1, hkv, t, d)).astype(np.float32)
+                q = rng.standard_normal((1, hq, 1, d)).astype(np.float32)
+                ops = {}
+                for bits in args.bits:
+                    op = RotatedSdpa(scale=d ** -0.5, bits=bits)
+                    for t0 in range(0, t, 1024):
+                        op(q[:, :, :0], k[:, :, t0:t0 + 1024], v[:, :, t0:t0 + 1024])
+                    t0 = time.perf_counter()
+                    op.attend_cache(q)  # the first call: JIT compile or cache load
+                    ops[bits] = (op, time.perf_counter() - t0)
+                fns = {"f32": lambda: softmax_attention(q, k, v, d ** -0.5)}
+                for bits in args.bits:
+                    fns[f"rot{bits}"] = (lambda op: lambda: op.attend_cache(q))(ops[bits][0])
+                wall, cpu = time_rounds(fns, args.repeat)
+                key = f"{hkv}x{d} T={t}"
+                row = {"f32_ms": 1e3 * float(np.median(wall["f32"]))}
+                print(f"{key} (query heads {hq}): f32 {row['f32_ms']:.3f} ms")
+                for bits in args.bits:
+                    w, c = wall[f"rot{bits}"], cpu[f"rot{bits}"]
+                    r = {"ms": 1e3 * float(np.median(w)), "ratio_f32": float(np.median(w / wall["f32"])),
+                         "cpu_ratio_f32": float(np.median(c / np.maximum(cpu["f32"], 1e-9))),
+                         "ratio_best": float(w.min() / wall["f32"].min()), "first_call_s": ops[bits][1]}
+                    row[f"rot{bits}"] = r
+                    print(f"  rotated {bits}-bit: {r['ms']:7.3f} ms; rot/f32 {r['ratio_f32']:.2f}x (CPU "
+                          f"{r['cpu_ratio_f32']:.2f}x, best/best {r['ratio_best']:.2f}x); first call "
+                          f"{r['first_call_s']:.2f} s", flush=True)
+                results["rows"][key] = row
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1))
+    return results
+
+
 if __name__ == "__main__":
-    main()
+    if "--rotated" in sys.argv[1:]:
+        rotated_main()
+    else:
+        main()

@@ -45,7 +45,14 @@ def _scores_planar(qr, codes, norms, cb, bits, d, out):
 @njit(**JIT)
 def _decode_stream(row, cb, bits, d, dec):  # a bitstream row -> cb[code] of its d coordinates
     mask = (1 << bits) - 1
-    for c in range(d):
+    full = d // 8  # 8 codes fill exactly `bits` bytes: one word of 8 * bits bits
+    for g in range(full):
+        w = np.int64(0)
+        for i in range(bits):
+            w |= np.int64(row[g * bits + i]) << (8 * i)
+        for i in range(8):
+            dec[8 * g + i] = cb[(w >> (bits * i)) & mask]
+    for c in range(8 * full, d):
         bit = c * bits
         byte = bit >> 3
         sh = bit & 7

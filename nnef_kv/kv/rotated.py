@@ -52,6 +52,9 @@ from .settings import IntSetting, Problem, first_problem
 __all__ = ["RotatedConfig", "RotatedSdpa", "ROTATED_SETTINGS", "rotated_problem"]
 
 F16_MAX = 65504.0
+#: the numba loops serve calls of at most this many query rows a kv head (decode steps, GQA); more rows
+#: (a stepwise chunk, a prefill) decode the codes once and use BLAS (the kernels' references), faster there
+KERNEL_ROWS = 32
 STATE_LAYOUT = 1
 SINK_CHUNK = 256
 
@@ -305,7 +308,8 @@ class RotatedSdpa(BufferCheckpoint):
         if tq:
             qr = rotate(q2, self.rot)
             kn = f16_to_f32(knorm)
-            s_q = RA.code_scores(qr, kcodes, kn, kpart.cb, kpart.bits, d)
+            scores_fn = RA.code_scores if m <= KERNEL_ROWS else RA.code_scores.reference
+            s_q = scores_fn(qr, kcodes, kn, kpart.cb, kpart.bits, d)
             s_q *= scale
             if kidx.shape[0]:  # exact scores of the vectors kept exactly
                 h, t = kidx[:, 0], kidx[:, 1]
@@ -331,7 +335,8 @@ class RotatedSdpa(BufferCheckpoint):
         if tq:
             p_q = p[:, :, :tq]
             w = p_q * f16_to_f32(vnorm)[:, None, :]
-            out_rot = RA.code_values(w, vcodes, vpart.cb, vpart.bits, d)
+            values_fn = RA.code_values if m <= KERNEL_ROWS else RA.code_values.reference
+            out_rot = values_fn(w, vcodes, vpart.cb, vpart.bits, d)
             out += np.matmul(out_rot, self.rot.T)
             if vidx.shape[0]:
                 h, t = vidx[:, 0], vidx[:, 1]
@@ -354,6 +359,26 @@ class RotatedSdpa(BufferCheckpoint):
             else:
                 out += np.matmul(p_f, fvf)
         return (out / den).reshape(n, g, sq, d)
+
+    def attend_cache(self, q: np.ndarray) -> np.ndarray:
+        """The attention of ``q [B, Hq, Sq, D]`` over the cache as it is (no token stored, nothing changed): the
+        attention part of a decode step (``benchmarks/kv_speed.py`` times it), causal rows bottom-right
+        aligned on the tokens held."""
+        q = np.asarray(q)
+        if not self._ready or q.ndim != 4 or q.shape[0] != self.b or q.shape[3] != self.d or q.shape[1] % self.hkv:
+            raise InputError(f"{self.WHO}: attend_cache needs q [B={self.b}, a multiple of {self.hkv}, S, "
+                             f"D={self.d}] on a cache holding tokens, got {q.shape}")
+        n, g, sq = self.b * self.hkv, q.shape[1] // self.hkv, q.shape[2]
+        fk = np.concatenate([self.sink_k.view(), self.res_k.view()], axis=1)
+        fv = np.concatenate([self.sink_v.view(), self.res_v.view()], axis=1)
+        fpos = np.concatenate([np.arange(self.n_sink), self.n_sink + self.n_quant + np.arange(self.n_res)])
+        pos = self.len - sq + np.arange(sq)
+        fkeep = (fpos[None, :] <= pos[:, None]) if self.cfg.is_causal and sq > 1 else None
+        qcount = np.clip(pos + 1 - self.n_sink, 0, self.n_quant) if fkeep is not None else np.full(sq, self.n_quant)
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            out = self._attend(q.astype(np.float32, copy=False).reshape(n, g, sq, self.d),
+                               self._coded_view(None, None, self.n_quant), qcount, fk, fv, fkeep)
+        return out.reshape(q.shape).astype(q.dtype if q.dtype in (np.float16, np.float32) else np.float32)
 
     # ================================================================================ protocol
     def _buffers(self) -> list[GrowBuffer]:
