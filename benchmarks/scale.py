@@ -24,6 +24,7 @@ printed with the ``uptime`` load average: other processes share this machine.
     python benchmarks/scale.py                      # every row (about 4-6 minutes on the 2-core VM)
     python benchmarks/scale.py --rows decode --steps 24
     python benchmarks/scale.py --layers 4           # a quick smoke run of the same shape, fewer layers
+    python benchmarks/scale.py --weights q4_0       # the linear weights as Q4_0 blocks
 """
 from __future__ import annotations
 
@@ -195,15 +196,18 @@ def write_rows(model: Any, folder: Path, tmp: Path, gzip_mib: int, convert: bool
         fast = f"zlib level {container.ZLIB_LEVEL} (isal not installed)"
     size = folder.stat().st_size
     print(f"\n## writing ({size / MIB:.0f} MiB of .tar; {uptime()})")
-    print("| output | seconds | MiB/s | size / .tar |")
-    print("|---|---|---|---|")
+    print("| output | seconds | MiB/s | size / .tar | nnef_kv.load s |")
+    print("|---|---|---|---|---|")
     for name, what in (("out", "folder"), ("out.tar", ".tar"), ("out.tgz", f".tgz, {fast}")):
         t = time.perf_counter()
         nnef_kv.save(model, tmp / name)
         dt = time.perf_counter() - t
         p = tmp / name
         n = sum(f.stat().st_size for f in p.rglob("*") if f.is_file()) if p.is_dir() else p.stat().st_size
-        print(f"| {what} | {dt:.2f} | {size / MIB / dt:.0f} | {n / size:.4f} |", flush=True)
+        t = time.perf_counter()
+        nnef_kv.load(p)
+        loaded = time.perf_counter() - t
+        print(f"| {what} | {dt:.2f} | {size / MIB / dt:.0f} | {n / size:.4f} | {loaded:.2f} |", flush=True)
         shutil.rmtree(p) if p.is_dir() else p.unlink()
     with open(folder, "rb") as f:
         f.seek(min(size // 4, max(0, size - gzip_mib * MIB)))
@@ -213,7 +217,7 @@ def write_rows(model: Any, folder: Path, tmp: Path, gzip_mib: int, convert: bool
         c = zlib.compress(sample, level)
         dt = time.perf_counter() - t
         print(f"| zlib level {level}, {len(sample) >> 20} MiB sample | {dt:.2f} | {len(sample) / MIB / dt:.1f} | "
-              f"{len(c) / len(sample):.4f} |", flush=True)
+              f"{len(c) / len(sample):.4f} | |", flush=True)
     try:
         from isal import isal_zlib
 
@@ -222,7 +226,7 @@ def write_rows(model: Any, folder: Path, tmp: Path, gzip_mib: int, convert: bool
             c = isal_zlib.compress(sample, level)
             dt = time.perf_counter() - t
             print(f"| isal level {level}, {len(sample) >> 20} MiB sample | {dt:.2f} | {len(sample) / MIB / dt:.1f} | "
-                  f"{len(c) / len(sample):.4f} |", flush=True)
+                  f"{len(c) / len(sample):.4f} | |", flush=True)
     except ImportError:
         pass
     if convert:
@@ -270,6 +274,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", default="memory,decode,write,products", help="which rows, comma-separated")
     ap.add_argument("--layers", type=int, default=30, help="decoder layers (30: SmolLM2-135M)")
+    ap.add_argument("--weights", choices=["f32", "q4_0"], default="f32",
+                    help="the linear weights as f32 or as Q4_0 blocks (the embedding stays f32)")
     ap.add_argument("--steps", type=int, default=17, help="decode calls per setting (the first is the prompt)")
     ap.add_argument("--prompt", type=int, default=8, help="prompt tokens")
     ap.add_argument("--no-loaded", action="store_true", help="skip the decode rows with a spinning process")
@@ -282,12 +288,12 @@ def main() -> None:
     from nnef_kv.interpreter.session import Session
     from nnef_kv.models import build_decoder
 
-    print(f"# benchmarks/scale.py: SmolLM2-135M shape, {args.layers} layers, f32, explicit caches; "
+    print(f"# benchmarks/scale.py: SmolLM2-135M shape, {args.layers} layers, {args.weights}, explicit caches; "
           f"{os.cpu_count()} CPUs; {uptime()}")
     with tempfile.TemporaryDirectory(prefix="nnef-kv-scale-") as tmp_name:
         tmp = Path(tmp_name)
         t = time.perf_counter()
-        folder = nnef_kv.save(build_decoder(smollm2_config(args.layers)), tmp / "smollm2.tar")
+        folder = nnef_kv.save(build_decoder(smollm2_config(args.layers, args.weights)), tmp / "smollm2.tar")
         print(f"built and saved {folder.name}: {folder.stat().st_size / MIB:.0f} MiB in "
               f"{time.perf_counter() - t:.1f} s")
         prompt = np.random.default_rng(42).integers(0, 49152, args.prompt).astype(np.int64)

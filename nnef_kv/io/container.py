@@ -264,7 +264,7 @@ def _iter_tar(tf: tarfile.TarFile, where: str, budget: _Budget) -> Iterator[tupl
             ti = tf.next()
         except tarfile.TarError as e:
             raise ArchiveError(f"{where}: not a valid tar archive ({e})") from None
-        except (EOFError, zlib.error, gzip.BadGzipFile) as e:
+        except GZIP_ERRORS as e:
             raise ArchiveError(f"{where}: corrupt or truncated archive ({e})") from None
         if ti is None:
             return
@@ -307,6 +307,28 @@ def _read_tar(path: Path, limits: Limits) -> list[Member]:
     return out
 
 
+def _isal_error() -> tuple[type[BaseException], ...]:
+    try:
+        from isal import isal_zlib
+    except ImportError:
+        return ()
+    return (isal_zlib.error,)
+
+
+#: what a corrupt or truncated gzip stream raises (zlib's reader, ISA-L's when installed)
+GZIP_ERRORS: tuple[type[BaseException], ...] = (EOFError, zlib.error, gzip.BadGzipFile, *_isal_error())
+
+
+def gzip_reader(raw: BinaryIO) -> BinaryIO:
+    """A gzip stream reading ``raw``: ISA-L's when ``isal`` is installed (about twice zlib's inflate speed:
+    60 vs 34 MiB/s on f32 weights here), else :class:`gzip.GzipFile`."""
+    try:
+        from isal import igzip
+    except ImportError:
+        return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+    return igzip.IGzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
+
+
 class _CountingReader(io.RawIOBase):
     """Decompressed stream that raises LimitError once more than max_archive_bytes came out."""
 
@@ -319,7 +341,7 @@ class _CountingReader(io.RawIOBase):
     def readinto(self, b) -> int:  # type: ignore[override]
         try:
             n = self.inner.readinto(b)  # type: ignore[attr-defined]
-        except (EOFError, zlib.error, gzip.BadGzipFile, OSError) as e:
+        except (*GZIP_ERRORS, OSError) as e:
             raise ArchiveError(f"{self.budget.where}: corrupt or truncated gzip data ({e})") from None
         self.budget.add(n or 0, "<gzip stream>")
         return n or 0
@@ -330,7 +352,7 @@ def _read_tgz(path: Path, limits: Limits) -> list[Member]:
     budget = _Budget(limits, where)
     out: list[Member] = []
     raw = _open_archive(path, where)
-    with raw, gzip.GzipFile(fileobj=raw, mode="rb") as gz:
+    with raw, gzip_reader(raw) as gz:
         stream = io.BufferedReader(_CountingReader(gz, budget), buffer_size=1 << 16)
         try:
             tf = tarfile.open(fileobj=stream, mode="r|")
