@@ -25,6 +25,7 @@ with ``time.process_time``), ``threads=1``.
     python benchmarks/prefill.py                      # 512 tokens, explicit form, 3 rounds
     python benchmarks/prefill.py --form tract         # tract's own form (causal sdpa)
     python benchmarks/prefill.py --memory 8192        # peak RSS of an 8192-token prefill, each engine
+    python benchmarks/prefill.py --memory 8192 --engines nnef-kv   # nnef-kv only
     python benchmarks/prefill.py --profile            # where nnef-kv's prefill time goes
     python benchmarks/prefill.py --quick              # 4 layers, 128 tokens: a smoke test
 
@@ -171,7 +172,7 @@ def memory_child(engine: str, folder: str, form: str, layers: int, tokens: int) 
 
 def memory(folder: Path, args: argparse.Namespace) -> None:
     print(f"peak RSS of a {args.memory}-token prefill, each engine in a fresh process ({load_text()})")
-    for engine in ("nnef-kv", "tract"):
+    for engine in args.engines.split(","):
         got = subprocess.run([sys.executable, __file__, "--_memory-child", engine, str(folder), args.form,
                               str(args.layers), str(args.memory)], capture_output=True, text=True)
         if got.returncode:
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--memory", type=int, default=0, metavar="N", help="peak RSS of an N-token prefill instead")
+    ap.add_argument("--engines", default="nnef-kv,tract", help="--memory: the engines measured (default: both)")
     ap.add_argument("--profile", action="store_true", help="cProfile of one nnef-kv prefill instead")
     ap.add_argument("--quick", action="store_true", help="4 layers, 128 tokens, 2 rounds")
     ap.add_argument("--keep", type=Path, help="write (and reuse) the archive in this folder")

@@ -116,10 +116,29 @@ def cmd_convert(args: argparse.Namespace) -> int:
     for note in report.notes:
         if note.startswith(NOTE_PREFIXES):
             print(f"note: {note}", file=sys.stderr)
-    bits = opts.scheme_object.bits_text(opts.scheme_options)
     print(f"converted {len(getattr(report, 'attentions', []) or [])} attention block(s) of {src} with scheme "
-          f"{opts.scheme}, {bits} bits -> {args.output}{done} ({time.perf_counter() - t0:.2f} s)")
+          f"{_scheme_phrase(opts)} -> {args.output}{done} ({time.perf_counter() - t0:.2f} s)")
     return EXIT_OK
+
+
+def _scheme_phrase(opts: Any) -> str:
+    """``kivi, 4 bits``, ``kivi, 1 bit``, ``tract, 8 bits (fixed)``, ``ggml, cache types q4_0/q8_0 (keys/values)``,
+    ``hf (hqq backend), 4 bits``: the scheme and what its op stores, as the convert line says it."""
+    options = opts.scheme_options
+    text = opts.scheme_object.bits_text(options)
+    backend = getattr(options, "backend", None)
+    name = opts.scheme + (f" ({backend} backend)" if backend else "")
+    head, _, rest = text.partition(" ")
+    parts = head.split("/")
+    if text.startswith("per layer "):
+        numeric = not any(c.isalpha() for c in text[10:])
+        return f"{name}, {'bits' if numeric else 'cache types'} per layer {text[10:]}"
+    if all(p.isdigit() for p in parts):
+        unit = "bit" if parts == ["1"] else "bits"
+        return f"{name}, {head} {unit}" + (" (keys/values)" if len(parts) == 2 else "") + (f" {rest}" if rest else "")
+    kind = "cache type" if len(set(parts)) == 1 else "cache types"
+    return f"{name}, {kind} {parts[0] if len(set(parts)) == 1 else head}" + (" (keys/values)" if len(set(parts)) > 1
+                                                                             else "")
 
 
 #: conversion notes the command repeats on stderr (what a user must not miss)
@@ -287,7 +306,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     from .progress import progress_bar
     from .validate.demo import DemoOptions, bits_problem, format_table, run_demo
 
-    bits = _parse_ids(args.bits, "--bits") or []
+    bits = list(dict.fromkeys(_parse_ids(args.bits, "--bits") or []))  # --bits 4,4: one row
     for b in bits:
         if bits_problem(b):
             raise CliError(f"--bits {b}: {bits_problem(b)}")
@@ -314,9 +333,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     with progress_bar("demo: decoding and validating", total=None) as advance:
         rows = run_demo(opts, progress=advance)
+    marks = _mark_unquantized(rows)
     print(format_table(rows, opts))
+    for line in marks:
+        print(line)
     print(f"({time.perf_counter() - t0:.1f} s)")
     return EXIT_OK
+
+
+def _mark_unquantized(rows: list[Any]) -> list[str]:
+    """Rows of a quantized-KV model whose evaluated tokens read no quantized entry get ``*`` after their model,
+    and the reason ``validate`` gives (its failed "quantized entries read" check) is returned as a note."""
+    notes: list[str] = []
+    for row in rows:
+        rep = row.report
+        if rep is None or not rep.kv_ops:
+            continue
+        failed = [c for c in rep.checks if c.name == f"quantized entries read @ {row.context}" and not c.ok]
+        if failed:
+            row.label += " *"
+            if not notes:
+                notes.append(f"* {failed[0].detail}")
+    return notes
 
 
 def _demo_size(cfg: Any) -> None:
@@ -358,11 +396,16 @@ def build_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="nnef-kv", description="NNEF archives with a quantized KV cache.")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors (accepted anywhere)")
     p.add_argument("--version", action="version", version=f"nnef-kv {_version()}")
-    lim = p.add_argument_group("resource limits for untrusted archives (defaults: nnef_kv.limits.Limits)")
-    lim.add_argument("--max-archive-bytes", type=int, help="decompressed bytes read from one archive")
-    lim.add_argument("--max-tensor-bytes", type=int, help="payload bytes of one .dat tensor")
-    lim.add_argument("--max-members", type=int, help="members (files) in one archive or folder")
-    lim.add_argument("--max-nesting", type=int, help="nesting depth of expressions in NNEF text")
+    lim = p.add_argument_group("resource limits for untrusted archives")
+    d = Limits()
+    lim.add_argument("--max-archive-bytes", type=int, metavar="N",
+                     help=f"decompressed bytes read from one archive (default {d.max_archive_bytes})")
+    lim.add_argument("--max-tensor-bytes", type=int, metavar="N",
+                     help=f"payload bytes of one .dat tensor (default {d.max_tensor_bytes})")
+    lim.add_argument("--max-members", type=int, metavar="N",
+                     help=f"members (files) in one archive or folder (default {d.max_members})")
+    lim.add_argument("--max-nesting", type=int, metavar="N",
+                     help=f"nesting depth of expressions in NNEF text (default {d.max_nesting})")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND", parser_class=_Parser)
 
     sp = sub.add_parser("inspect", help="graph summary: inputs, outputs, op counts, parameter bytes, KV layout",

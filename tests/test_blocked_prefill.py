@@ -13,6 +13,7 @@ from nnef_kv.kv import blocked
 from nnef_kv.kv.exact import sdpa_array
 from nnef_kv.kv.hf_quantized import HfQuantizedSdpa
 from nnef_kv.kv.kivi import KiviSdpa
+from nnef_kv.kv.tract_fused import TractQuantizedKvSdpa, softmax_attention
 from nnef_kv.models import DecoderConfig, build_decoder
 from nnef_kv.validate.decode import detect_signature
 
@@ -148,6 +149,19 @@ def test_kivi_online_prefill_blocked_equals_one_call(monkeypatch, count_blocks) 
     assert _rel(got, ref) <= 1e-5
 
 
+def test_tract_quantized_sdpa_prefill_blocked_equals_one_call(monkeypatch, count_blocks) -> None:
+    """tract's quantized KV op (no causal mask) and the exact softmax beside it (a bool mask)."""
+    q, k, v = _qkv(4, 2, 60, 60, d=32)
+    keep = np.arange(60)[None, :] <= np.arange(60)[:, None]
+    monkeypatch.setattr(blocked, "SCORE_BYTES", ONE_CALL)
+    ref, ref_masked = TractQuantizedKvSdpa(scale=0.2)(q, k, v), softmax_attention(q, k, v, 0.2, keep)
+    assert count_blocks == []
+    monkeypatch.setattr(blocked, "SCORE_BYTES", 4 * 60 * 4 * 8)
+    got, got_masked = TractQuantizedKvSdpa(scale=0.2)(q, k, v), softmax_attention(q, k, v, 0.2, keep)
+    assert count_blocks == [8, 8]
+    assert _rel(got, ref) <= 1e-5 and _rel(got_masked, ref_masked) <= 1e-5
+
+
 def _peak(fn) -> int:
     tracemalloc.start()
     try:
@@ -161,7 +175,7 @@ def _peak(fn) -> int:
 MiB = 1 << 20
 
 
-@pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-mask", "hf", "kivi"])
+@pytest.mark.parametrize("path", ["sdpa-causal", "sdpa-mask", "hf", "kivi", "tract-quantized"])
 def test_one_attention_at_2048_tokens_stays_under_a_bound(monkeypatch, path) -> None:
     """Peak memory traced during one attention over a 2048-token prefill (4 query heads, 2 kv heads of 64):
     the one-call scores alone are 64 MiB; with the default budget (32 MiB) the peak stays under 48 MiB,
@@ -177,6 +191,8 @@ def test_one_attention_at_2048_tokens_stays_under_a_bound(monkeypatch, path) -> 
             sdpa_array(q, k, v, mask, is_causal=mask is None)
         elif path == "hf":
             HfQuantizedSdpa(scale=0.125)(q, k, v)
+        elif path == "tract-quantized":
+            TractQuantizedKvSdpa(scale=0.125)(q, k, v)
         else:
             KiviSdpa(scale=0.125)(q, k, v)
     bound = 48 * MiB

@@ -51,6 +51,10 @@ def _says(err: str, words: str) -> None:
     assert words in err, err
 
 
+def _once(text: str, words: str) -> None:
+    assert text.count(words) == 1, text
+
+
 def _link_kept(link: str, target: str) -> Callable[[World, str, str], None]:
     def check(w: World, out: str, err: str) -> None:
         import nnef_kv
@@ -138,6 +142,8 @@ CONVERT = [
       "option sinks=100000000000000000000: too large: the op holds it as a 64-bit integer", "--sinks 10^20"),
     C("huge-key-group", "convert {in}/f32.nnef.tar -o {out}/t.tgz --key-group 99999999999999999999999", 2,
       "option key_group=99999999999999999999999: too large", "--key-group 10^23"),
+    C("one-bit", "convert {in}/f32.nnef.tar -o {out}/t.tgz --bits 1", 0, "with scheme kivi, 1 bit ->",
+      "--bits 1: said as 1 bit", changed=("t.tgz",)),
     C("never-quantized", "convert {in}/f32.nnef.tar -o {out}/t.tgz --residual 100", 0,
       "note: never quantized: the op quantizes once it holds 132 tokens", "--residual past the model's positions",
       changed=("t.tgz",)),
@@ -292,6 +298,11 @@ DEMO = [
     C("key-group-huge", "demo --key-group 99999999999999999999999", 2, "--key-group 99999999999999999999999: too "
       "large", "--key-group 10^23"),
     C("context-0", "demo --context 0", 2, "--context 0", "--context 0"),
+    C("residual-huge", "demo --residual 100000 --bits 4 --context 16 --eval-tokens 2 --no-tract --layers 1 --hidden 16 "
+      "--mlp 16", 0, "* nothing was quantized: context 16 fits in the full-precision window (residual 100000",
+      "--residual 100000: rows with nothing quantized", check=lambda w, out, err: _says(out, "kivi *")),
+    C("bits-twice", "demo --bits 4,4 --context 16 --eval-tokens 2 --no-tract --layers 1 --hidden 16 --mlp 16", 0,
+      "kivi", "--bits 4,4", check=lambda w, out, err: _once(out, "\nkivi")),
 ]
 
 COMPARE = [

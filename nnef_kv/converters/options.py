@@ -99,7 +99,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         if spec.type is bool:  # an on/off option: a bare flag (--rotate)
             parser.add_argument(spec.flag, dest=spec.name, action="store_const", const=True, default=None, help=text)
         else:
-            parser.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar="N", help=text)
+            parser.add_argument(spec.flag, dest=spec.name, type=spec.type, default=None, metavar=_metavar(spec),
+                                help=text)
+
+
+def _metavar(spec: _schemes.OptionSpec) -> str:
+    """``N`` for an integer option, else the flag's last word (``--key-axis AXIS``, ``--key-type TYPE``)."""
+    if spec.type is int:
+        return "N"
+    if spec.type is float:
+        return "X"
+    return spec.flag.lstrip("-").rsplit("-", 1)[-1].upper()
 
 
 def _only(takers: list[_schemes.Scheme], reg: Mapping[str, _schemes.Scheme]) -> str:

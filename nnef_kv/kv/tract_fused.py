@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InputError, StateError
+from . import blocked
 from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, round_half_away, stepwise_loop
 from .tract_dyn_cache import flip_at_boundary
 
@@ -37,14 +38,19 @@ def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     b, hq, sq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
+    bq = blocked.row_block(b * hq * k.shape[2] * 4, sq)
+    if bq < sq:  # a long prefill: the scores of a block of query rows at a time (issue 26.3)
+        return np.concatenate([softmax_attention(q[:, :, i0:i1], k, v, scale, None if mask is None else mask[i0:i1])
+                               for i0, i1 in blocked.row_ranges(sq, bq)], axis=2)
     qg = q.reshape(b, hkv, g * sq, d)
-    s = np.matmul(qg, np.swapaxes(k, -1, -2)) * np.float32(scale)  # [B,Hkv,g*Sq,T]
+    s = np.matmul(qg, np.swapaxes(k, -1, -2))  # [B,Hkv,g*Sq,T]
+    s *= np.float32(scale)
     if mask is not None:
         m = np.broadcast_to(mask[None, :, :], (g, sq, mask.shape[-1])).reshape(g * sq, -1)
         s = np.where(m, s, np.float32(-np.inf))
     mx = np.max(s, axis=-1, keepdims=True)
     mx = np.where(np.isfinite(mx), mx, np.float32(0))
-    p = np.exp(s - mx)
+    p = np.exp(np.subtract(s, mx, out=s), out=s)  # in place: one score array alive
     p /= np.sum(p, axis=-1, keepdims=True)
     o = np.matmul(p, v)
     return o.reshape(b, hq, sq, d)
