@@ -163,7 +163,7 @@ def add_commands(sub: Any, commands: dict[str, Callable[[argparse.Namespace], in
 
 # ---------------------------------------------------------------------------------------------- auto-bits
 _AUTO_ONLY = ("max_kl", "match_uniform_kl", "text", "ids", "tokenizer", "context", "eval_tokens", "jobs", "ray",
-              "report_dir")
+              "report_dir", "windows", "windows_seed")
 
 
 def _add_auto_bits(sp: argparse.ArgumentParser) -> None:
@@ -177,8 +177,12 @@ def _add_auto_bits(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--text", help="UTF-8 text file (default: the sample text shipped with nnef-kv)")
     g.add_argument("--ids", help=".npy or text file of token ids")
     g.add_argument("--tokenizer", help="tokenizer.json (or a folder holding one); default: found next to the input")
-    g.add_argument("--context", help="the context length measured (default: at least 256, capped by model and text)")
-    g.add_argument("--eval-tokens", type=int, help="predictions measured (default 64)")
+    g.add_argument("--context", help="the context length measured (default: validate's rule: 8 x the scheme's "
+                                     "full-precision window, at least 256, capped by model and text)")
+    g.add_argument("--eval-tokens", type=int, help="predictions measured per window (default 512, capped)")
+    g.add_argument("--windows", type=int, help="disjoint windows of the text: the first half (rounded up) chosen on, "
+                                               "the rest held out (default: 4, or as many as the text holds; >= 2)")
+    g.add_argument("--windows-seed", type=int, help="0 (default): windows spread evenly; another: placed at random")
     g.add_argument("--report-dir", help="write report.md and report.json of the choice here (default: beside the "
                                         "output, OUTPUT.auto-bits.md / .json)")
     _add_runner(g)
@@ -213,8 +217,9 @@ def cmd_auto_bits(args: argparse.Namespace) -> int:
         for name in (f"{out.name}.auto-bits.md", f"{out.name}.auto-bits.json"):
             check_file(out.parent / name, "the auto-bits report", inputs=[src])
     contexts = _ints(args.context, "--context")
-    copts = CompareOptions(contexts=contexts, eval_tokens=_positive(args.eval_tokens, "--eval-tokens") or 64,
-                           tract=False)
+    copts = CompareOptions(contexts=contexts, eval_tokens=_positive(args.eval_tokens, "--eval-tokens"),
+                           tract=False, windows=_positive(args.windows, "--windows", 2),
+                           windows_seed=_positive(args.windows_seed, "--windows-seed", 0) or 0)
     jobs = _positive(args.jobs, "--jobs")
     if args.ray is not None and jobs is not None:
         raise InputError("--jobs and --ray: give one")
@@ -228,7 +233,16 @@ def cmd_auto_bits(args: argparse.Namespace) -> int:
     print(render_text(res))
     md, js = render_markdown(res).encode(), render_json(res).encode()
     if res.chosen is None:
-        print(f"no setting of scheme {scheme} meets --max-kl {args.max_kl:g} at context {res.context}: nothing written")
+        if rd is not None:  # the report of what was measured (no archive: nothing was chosen)
+            rd.mkdir(parents=True, exist_ok=True)
+            for name, data in (("report.md", md), ("report.json", js)):
+                with atomic_write(rd / name) as f:
+                    f.write(data)
+        if res.rejected is not None:
+            print("the choice failed on the held-out text (above): nothing written")
+        else:
+            print(f"no setting of scheme {scheme} meets --max-kl {args.max_kl:g} at context {res.context} (upper "
+                  f"bounds of the 95% intervals): nothing written")
         return 1
     converted, _ = convert(model, **{**opts.as_dict(), "layer_bits": res.layer_bits})
     save(converted, out)

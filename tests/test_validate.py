@@ -386,3 +386,179 @@ def test_f16_archive_tract_parity_follows_its_dtype() -> None:
                             ValidateOptions(contexts=[120], eval_tokens=16, parity_atol=1e-6, parity_rtol=0.0))
     assert strict.parity.status == "mismatch" and (strict.parity.atol, strict.parity.rtol) == (1e-6, 0.0)
     assert not strict.ok and "tract parity" in {c.name for c in strict.checks if not c.ok}
+
+
+# -- issue 22: windows, intervals, NaN logits, defaults, hints; issue 23: API and progress ---------------------
+def test_windows_predict_the_same_tokens_at_every_context_and_figures_carry_intervals(text_ref, source) -> None:
+    """Two contexts, three windows: the same predicted text tokens at both contexts (only the prefill's length
+    differs); every mean has its 95% interval around it; the count behind the figures is given."""
+    opts = ValidateOptions(contexts=[64, 200], eval_tokens=48, windows=3, parity=False, round_trip=False)
+    rep = validate_model(_kivi(text_ref, 4), text_ref, source, opts)
+    a, b = rep.contexts
+    assert a.starts == b.starts and len(a.starts) == 3 and a.text_positions == b.text_positions
+    assert a.targets == [source.ids[i] for i in a.text_positions]
+    assert all(s2 - s1 >= 200 + 48 for s1, s2 in zip(a.starts, a.starts[1:]))  # disjoint windows
+    for res in rep.contexts:
+        s = res.summary()
+        assert s["predictions"] == 144 and s["windows"] == 3 and s["nonfinite_predictions"] == 0
+        for key, ci in (("kl_mean", "kl_mean_ci95"), ("top1_agreement", "top1_agreement_ci95"),
+                        ("ppl_ratio", "ppl_ratio_ci95"), ("ppl", "ppl_ci95")):
+            assert s[ci][0] <= s[key] <= s[ci][1], (key, s[key], s[ci])
+        assert s["kl_mean_ci95"][0] >= 0 and 0 <= s["top1_agreement_ci95"][0] <= s["top1_agreement_ci95"][1] <= 1
+        # the Python API reads the figures as attributes (README: report.contexts[0].kl_mean)
+        assert res.kl_mean == s["kl_mean"] and res.kl_mean_ci95 == s["kl_mean_ci95"] and res.predictions == 144
+    with pytest.raises(AttributeError, match="no attribute 'kl_mea'"):
+        a.kl_mea
+    seeded = validate_model(_kivi(text_ref, 4), text_ref, source,
+                            ValidateOptions(contexts=[64], eval_tokens=48, windows=3, windows_seed=5, parity=False,
+                                            round_trip=False))
+    assert seeded.contexts[0].starts != a.starts  # another seed, other windows
+
+
+def test_percentiles_of_64_values_are_not_printed(text_ref, source) -> None:
+    from nnef_kv.validate.report import format_summary
+
+    rep = validate_model(_kivi(text_ref, 2), text_ref, source,
+                         ValidateOptions(contexts=[64], eval_tokens=64, windows=1, parity=False, round_trip=False))
+    s = rep.contexts[0].summary()
+    assert s["predictions"] == 64
+    assert s["kl_p99"] is None and s["kl_p99_9"] is None  # 64 values: p99 would be their maximum
+    assert s["kl_p90"] is not None and s["kl_median"] is not None
+    rows = dict(format_summary(s))
+    assert rows["99.0% KLD"] == "- (too few predictions for p99)" and rows["Maximum KLD"] != "-"
+    assert "[" in rows["Mean KLD"] and rows["predictions behind the figures"].startswith("64;")
+
+
+def test_nan_logits_are_counted_never_compared(text_ref, source) -> None:
+    """All-NaN logits in some predictions: counted, left out of KL / same-top / ppl (never "the same top"),
+    and a failed check naming how many."""
+    from nnef_kv.validate.results import ContextResult, Measurement
+    from nnef_kv.validate.runner import _finite_checks
+    from nnef_kv.validate.results import ValidationReport
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal((40, 16)).astype(np.float32)
+    mine = ref + 0.01 * rng.standard_normal((40, 16)).astype(np.float32)
+    mine[[3, 7, 8]] = np.nan
+    ref[11, 2] = np.inf
+    targets = [int(t) for t in rng.integers(0, 16, 40)]
+
+    def meas(lg):
+        return Measurement(lg, [], np.ones(40, np.int64), [], 0, 0, 0.0, starts=[100, 300])
+
+    res = ContextResult(100, 20, None, targets, meas(mine), meas(ref), starts=[100, 300])
+    s = res.summary()
+    assert s["nonfinite_predictions"] == 4 and s["nonfinite_archive"] == 3 and s["nonfinite_reference"] == 1
+    assert s["predictions"] == 36 and math.isfinite(s["kl_mean"]) and math.isfinite(s["ppl_ratio"])
+    ok = res.finite_rows()
+    tm = res.token_measures()
+    assert s["top1_agreement"] == pytest.approx(float(np.mean(tm["top1"][ok])))
+    assert res.to_dict()["per_token"]["top1"][3] is None  # not "same top"
+    rep = ValidationReport(archive="a", reference="r", options=ValidateOptions(), contexts=[res])
+    _finite_checks(rep)
+    (c,) = rep.checks
+    assert not c.ok and c.detail.startswith("4 of 40 predictions have NaN or Inf logits (archive 3, reference 1)")
+
+
+def test_thresholds_are_judged_on_the_interval_bound(text_ref, source) -> None:
+    """--max-kl between the mean and the interval's upper bound: a FAIL that says why."""
+    m = _kivi(text_ref, 2)
+    base = dict(contexts=[128], eval_tokens=64, windows=2, parity=False, round_trip=False)
+    s = validate_model(m, text_ref, source, ValidateOptions(**base)).contexts[0].summary()
+    lo, hi = s["kl_mean_ci95"]
+    assert lo < s["kl_mean"] < hi
+    mid = (s["kl_mean"] + hi) / 2
+    rep = validate_model(m, text_ref, source, ValidateOptions(**base, max_kl=mid))
+    (c,) = [c for c in rep.checks if c.name.startswith("max kl")]
+    assert not c.ok and f"upper bound {hi:.4g} > limit {mid:g}" in c.detail and "judged on the interval" in c.detail
+    assert validate_model(m, text_ref, source, ValidateOptions(**base, max_kl=hi * 1.01)).verdict == "pass"
+
+
+def test_default_plan_is_one_rule_for_validate_compare_and_auto_bits(text_ref, source) -> None:
+    """The same archive and settings give the same default context and windows in validate, compare and
+    auto-bits (compare derives the full-precision window from the schemes it converts)."""
+    from nnef_kv.text import TokenSource
+    from nnef_kv.validate.compare import CompareOptions, SchemeSpec, prepare, spec_windows
+    from nnef_kv.validate.results import DEFAULT_EVAL_TOKENS
+
+    kw = dict(key_group=32, value_group=8, residual=32)
+    rep = validate_model(_kivi(text_ref, 4, **kw), text_ref, source, ValidateOptions(parity=False, round_trip=False))
+    spec = SchemeSpec("kivi:4", "kivi", tuple(sorted({"bits": 4, **kw}.items())))
+    fp = spec_windows(text_ref, [spec])
+    assert fp == [k["fp_window"] for k in rep.kv_ops]
+    job, notes = prepare(text_ref, TokenSource(ids=list(source.ids), option="--text", description="t"),
+                         CompareOptions(), "f32", windows=fp)
+    assert job.contexts == [r.context for r in rep.contexts] == [512]
+    assert job.eval_tokens == rep.contexts[0].eval_tokens == DEFAULT_EVAL_TOKENS
+    assert job.starts == rep.contexts[0].starts and len(job.starts) == 4
+    assert "context 512 (default: 8 x the full-precision window 64)" in notes
+
+
+def test_no_hint_the_model_cannot_satisfy() -> None:
+    """A context that reads nothing quantized gets a hint only when a context that would read quantized
+    entries fits in the model (255 positions here) and the text; else what to change instead."""
+    from nnef_kv.validate.runner import _context_hint
+
+    assert _context_hint("--context", 64, 16, None, 5000) == "use --context >= 512"
+    assert _context_hint("--context", 64, 32, 255, 5000) == ("use --context 224 (the longest the model and the "
+                                                             "text allow; > 64 reads quantized entries)")
+    msg = _context_hint("--context", 288, 32, 255, 5000)
+    assert "--context >=" not in msg and "the model holds 255 positions" in msg and "--residual" in msg
+    assert "the text has 300 tokens" in _context_hint("--context", 288, 32, None, 300)
+
+
+@requires_shared
+def test_impossible_hint_is_never_printed_on_a_bounded_export(tmp_path) -> None:
+    """The torch-to-nnef export holds 255 positions; KIVI with a 400-token residual can never read a quantized
+    entry there: the failed check says so instead of `use --context >= 3456`."""
+    from nnef_kv.converters import convert
+
+    folder = FIXTURES / "exports" / "llama_default"
+    ref = nnef_kv.load(folder / "model.nnef.tgz")
+    rep = nnef_kv.validate(convert(ref, bits=4, residual=400)[0], ref, ids=list(range(2, 250)) * 3, contexts=[100],
+                           eval_tokens=16, parity=False)
+    (c,) = [c for c in rep.checks if not c.ok]
+    assert "no context can read a quantized entry here (the model holds 255 positions" in c.detail
+    assert ">=" not in c.detail
+
+
+def test_api_contexts_must_be_a_list_named_by_the_parameter(text_ref, source) -> None:
+    for bad in (128, "128"):
+        with pytest.raises(nnef_kv.InputError) as e:
+            nnef_kv.validate(text_ref, text_ref, ids=list(source.ids[:600]), contexts=bad)
+        assert str(e.value) == f"contexts={bad!r}: a list of context lengths is expected (e.g. contexts=[128, 512])"
+
+
+@requires_shared
+def test_tokenizer_is_found_beside_the_reference(tmp_path) -> None:
+    """The archive under test written elsewhere (no tokenizer beside it): the export's tokenizer, beside the
+    --reference, is used and named."""
+    from nnef_kv.converters import convert
+
+    folder = FIXTURES / "exports" / "llama_default"
+    ref = folder / "model.nnef.tgz"
+    out = tmp_path / "alone" / "k4.nnef.tgz"
+    out.parent.mkdir()
+    nnef_kv.save(convert(nnef_kv.load(ref), bits=4, residual=16)[0], out)
+    rep = nnef_kv.validate(out, ref, prompt="We hold these truths to be self-evident, " * 20, contexts=[64],
+                           eval_tokens=8, windows=1, parity=False)
+    assert f"tokenizer found next to the reference: {folder / 'tokenizer.json'}" in rep.notes
+
+
+def test_progress_total_is_known_before_the_work(text_ref, source) -> None:
+    class Bar:
+        def __init__(self):
+            self.totals, self.n = [], 0
+
+        def __call__(self, n=1):
+            self.n += n
+
+        def set_total(self, total):
+            self.totals.append(total)
+
+    bar = Bar()
+    validate_model(_kivi(text_ref, 4), text_ref, source,
+                   ValidateOptions(contexts=[64, 100], eval_tokens=8, windows=2, chunk=40, parity=False,
+                                   round_trip=False), progress=bar)
+    # per window: ceil(L / 40) prefill calls + the stepwise run, for the archive and the reference
+    assert bar.totals[0] == 2 * 2 * ((2 + 1) + (3 + 1)) == bar.n and bar.totals[-1] == bar.n

@@ -38,8 +38,16 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
    bytes (or as many at a lower predicted KL: that frees KL for the next steps down), predicted within the
    target. The cheapest setting *measured* within the target wins, per-layer candidates and uniform
    settings alike (the report says when a uniform one wins).
+7. **More tokens where it cannot tell.** The text's windows (validate's plan, :func:`~.runner.resolve_plan`)
+   are split: the first half (rounded up) is chosen on, the rest held out. Steps 2-6 measure on the first
+   window only; "within the target" always means the 95% interval's *upper bound* is (:mod:`.statistics`).
+   The choice, every cheaper candidate whose interval holds the target, and the cheapest one-width uniform
+   settings are measured again on all the windows chosen on; the cheapest within the target there is the
+   choice, the cheapest one-width uniform setting within the budget the best uniform.
+8. **Held-out check.** The choice and the best uniform setting are measured on the held-out windows; a
+   choice whose held-out upper bound is above the target is reported as failing and not returned.
 
-The jobs of steps 2, 3, 5 and 6 run on the process pool or Ray (:mod:`.jobs`)."""
+The jobs of steps 2, 3, 5 to 8 run on the process pool or Ray (:mod:`.jobs`)."""
 from __future__ import annotations
 
 import math
@@ -79,6 +87,24 @@ class Candidate:
         v = self.figures().get("kv_bytes")
         return float(v) if v is not None else math.inf
 
+    @property
+    def kl_ci(self) -> tuple[float, float]:
+        """The 95% interval of the mean KL (the mean itself at both ends when none was measured)."""
+        ci = self.figures().get("kl_mean_ci95")
+        kl = self.kl
+        if not ci or not math.isfinite(kl):
+            return kl, kl
+        return float(ci[0]), float(ci[1])
+
+    def within(self, target: float) -> bool:
+        """Accepted: the interval's upper bound meets ``target`` (more text would not overturn it, at 95%)."""
+        return self.kl_ci[1] <= target
+
+    def undecided(self, target: float) -> bool:
+        """The interval holds ``target``: more tokens are needed to tell."""
+        lo, hi = self.kl_ci
+        return lo <= target < hi
+
 
 @dataclass
 class AutoBitsResult:
@@ -99,6 +125,16 @@ class AutoBitsResult:
     best_pair: Candidate | None = None  # the best uniform KEY/VALUE pair within the budget (split schemes)
     notes: list[str] = field(default_factory=list)
     runner: str = ""
+    decided: list[Candidate] = field(default_factory=list)  # measured again on more tokens (all the choosing windows)
+    held_out: list[Candidate] = field(default_factory=list)  # the choice (first) and the best uniform, held-out text
+    rejected: Candidate | None = None  # a choice that failed the held-out check
+    starts: dict[str, list[int]] = field(default_factory=dict)  # stage -> its windows' first predicted tokens
+
+    def held(self, c: Candidate | None) -> Candidate | None:
+        """``c``'s measurement on the held-out windows, when made."""
+        if c is None:
+            return None
+        return next((h for h in self.held_out if h.setting == c.setting), None)
 
     @property
     def layer_bits(self) -> str:
@@ -237,24 +273,35 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
     from .compare import run_job
     from .jobs import run_tasks
 
-    job, notes = prepare(model, source, copts, label, names)
-    ctx = job.contexts[0]
-    steps = job_steps(copts, job.contexts)
+    from .compare import spec_windows
 
-    memo = {} if cache is None else cache  # layer_bits text -> row: measured once across calls
+    fp = [] if copts.contexts else spec_windows(model, [SchemeSpec(scheme, scheme, tuple(sorted(options.items())))])
+    jobs_of = {}
+    for stage, pick in (("search", lambda st: _parts(st, copts)[0][:1]), ("decide", lambda st: _parts(st, copts)[0]),
+                        ("held-out", lambda st: _parts(st, copts)[1])):
+        jobs_of[stage], notes = prepare(model, source, copts, label, names, windows=fp, pick=pick)
+    job = jobs_of["search"]
+    ctx = job.contexts[0]
+
+    memo = {} if cache is None else cache  # (stage, layer_bits text) -> row: measured once across calls
     where = ["(everything from the cache)"]
 
-    def run(cands: list[Candidate]) -> str:
-        todo = [c for c in cands if _spec(scheme, options, c.setting, "").kwargs["layer_bits"] not in memo]
+    def run(cands: list[Candidate], stage: str = "search") -> str:
+        sj = jobs_of[stage]
+        if stage == "decide" and sj.starts == job.starts:
+            stage = "search"  # one window to choose on: the same measurement
+        key = (lambda c: (stage, _spec(scheme, options, c.setting, "").kwargs["layer_bits"]))
+        todo = list({key(c): c for c in cands if key(c) not in memo}.values())
         if todo:
             specs = [_spec(scheme, options, c.setting, c.label) for c in todo]
-            rows, where[0] = run_tasks(run_job, job, specs, [c.label for c in todo], jobs=jobs, ray=ray,
-                                       steps=steps, show_progress=show_progress, title="auto-bits",
+            rows, where[0] = run_tasks(run_job, sj, specs, [c.label for c in todo], jobs=jobs, ray=ray,
+                                       steps=job_steps(copts, sj.contexts, len(sj.starts)),
+                                       show_progress=show_progress, title=f"auto-bits ({stage})",
                                        on_error=worker_died, keep_ray=True)
-            for sp, r in zip(specs, rows):
-                memo[sp.kwargs["layer_bits"]] = r
+            for c, r in zip(todo, rows):
+                memo[key(c)] = r
         for c in cands:
-            c.row = memo[_spec(scheme, options, c.setting, "").kwargs["layer_bits"]]
+            c.row = memo[key(c)]
         return where[0]
 
     top = ladder[-1]
@@ -270,16 +317,17 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
             what = ("keys" if side == 0 else "values") if split else "keys+values"
             sens[(layer, side, lv)] = Candidate(f"layer {layer} {what} at {lv}", _setting(lv_map, layers, split))
     runner = run(list(uniform.values()) + list(sens.values()))
-    ok = [c for (k, v), c in uniform.items() if c.kl <= max_kl and k == v]
+    ok = [c for (k, v), c in uniform.items() if c.within(max_kl) and k == v]
     best_u = min(ok, key=lambda c: (c.kv_bytes, c.kl)) if ok else None
-    pairs_ok = [c for c in uniform.values() if c.kl <= max_kl]
+    pairs_ok = [c for c in uniform.values() if c.within(max_kl)]
     best_pair = min(pairs_ok, key=lambda c: (c.kv_bytes, c.kl)) if pairs_ok and split else None
     target = min(max_kl, best_u.kl) if best_u is not None and match_uniform else max_kl
     base = uniform[(top, top)].kl
     dkl = {k: max(0.0, c.kl - base) for k, c in sens.items()}
     ubytes = _unit_bytes(uniform, ladder, layers, split)
-    res = AutoBitsResult(scheme, options, max_kl, target, ctx, copts.eval_tokens, layers, split, ladder,
+    res = AutoBitsResult(scheme, options, max_kl, target, ctx, job.eval_tokens, layers, split, ladder,
                          list(uniform.values()), dkl, [], best_u, None, best_pair, notes, runner)
+    res.starts = {st: list(j.starts) for st, j in jobs_of.items()}
     if not math.isfinite(base) or base > target:
         res.notes.append(f"the most precise uniform setting ({top}) has KL {base:.4g}, above the target "
                          f"{target:.4g}: no setting meets the budget")
@@ -307,7 +355,7 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
         run([c for _, c in cands])
         res.rounds += [c for _, c in cands]
         for f, c in cands:
-            if c.kl <= target:
+            if c.within(target):
                 good_f = max(good_f, f)
             else:
                 bad_f = min(bad_f, f)
@@ -320,12 +368,71 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
             factors = [good_f + (bad_f - good_f) / 3, good_f + 2 * (bad_f - good_f) / 3]
     _refine_all(res, run, dkl, ubytes, units, ladder, layers, split, target, tried)
     # the cheapest setting measured within the target: a per-layer candidate, or a uniform one
-    within = [c for c in res.rounds + res.uniform + list(sens.values()) if c.kl <= target]
+    within = [c for c in res.rounds + res.uniform + list(sens.values()) if c.within(target)]
     res.chosen = min(within, key=lambda c: (c.kv_bytes, c.kl, c not in res.rounds)) if within else None
     if res.chosen is not None and res.chosen not in res.rounds:
         res.notes.append(f"no per-layer candidate measured within the target held fewer bytes than the "
                          f"measured setting '{res.chosen.label}', which is chosen")
+    _decide(res, run, res.rounds + res.uniform + list(sens.values()), max_kl)
     return res
+
+
+def _parts(starts: list[int], copts: CompareOptions) -> tuple[list[int], list[int]]:
+    """The windows chosen on and the held-out ones (the first half, rounded up, and the rest)."""
+    if len(starts) < 2:
+        raise InputError(f"--auto-bits: the text holds one window of the context and its predictions; choosing on "
+                         f"one part of the text and verifying on another needs two (a longer --text, a shorter "
+                         f"--context or --eval-tokens{'' if copts.windows is None else ', or --windows 2'})")
+    h = (len(starts) + 1) // 2
+    return starts[:h], starts[h:]
+
+
+def _decide(res: AutoBitsResult, run: Any, measured: list[Candidate], max_kl: float) -> None:
+    """Steps 7 and 8 (module docstring): more tokens where the search could not tell, then the held-out check.
+
+    Every candidate cheaper than the search's choice whose interval holds the target (undecided), the choice
+    and the one-width uniform settings within or undecided are measured again on all the windows chosen on
+    (more tokens: tighter intervals); the cheapest whose upper bound meets the target is the choice, the
+    cheapest one-width uniform setting whose upper bound meets the budget the best uniform. Both are then
+    measured on the held-out windows: a choice whose held-out upper bound is above the target is rejected
+    (``res.rejected``; nothing is returned)."""
+    target = res.target
+    cap = res.chosen.kv_bytes if res.chosen is not None else math.inf
+    seen: dict[tuple, Candidate] = {}
+    for c in sorted(measured, key=lambda c: (c.kv_bytes, c.kl)):
+        if tuple(c.setting) not in seen and c.kv_bytes <= cap and (c.within(target) or c.undecided(target)):
+            seen[tuple(c.setting)] = c
+    undecided = [c for c in seen.values() if c.kv_bytes < cap and c.undecided(target)][:4]
+    same = [c for c in res.uniform if c.setting[0][0] == c.setting[0][1] and (c.within(max_kl) or
+                                                                              c.undecided(max_kl))]
+    same = sorted(same, key=lambda c: c.kv_bytes)[:3]
+    todo = list({tuple(c.setting): c for c in ([res.chosen] if res.chosen is not None else []) + undecided
+                 + same}.values())
+    again = [Candidate(f"{c.label} (more tokens)", c.setting) for c in todo]
+    if not again:
+        return
+    run(again, "decide")
+    res.decided = again
+    ok = [c for c in again if c.within(target)]
+    res.chosen = min(ok, key=lambda c: (c.kv_bytes, c.kl)) if ok else None
+    uni = [c for c in again if c.setting in [u.setting for u in same] and c.within(max_kl)]
+    res.best_uniform = min(uni, key=lambda c: (c.kv_bytes, c.kl)) if uni else None
+    if res.chosen is None:
+        res.notes.append("on more tokens no candidate's upper bound meets the target: nothing is chosen")
+        return
+    checks = [Candidate(f"{res.chosen.label}, held-out", res.chosen.setting)]
+    if res.best_uniform is not None and res.best_uniform.setting != res.chosen.setting:
+        checks.append(Candidate(f"{res.best_uniform.label}, held-out", res.best_uniform.setting))
+    run(checks, "held-out")
+    res.held_out = checks
+    mine = checks[0]
+    if not mine.within(target):
+        lo, hi = mine.kl_ci
+        why = ("its mean is within the target but the interval is too wide to tell: more tokens (--eval-tokens, "
+               "--windows, a longer --text) may decide" if mine.kl <= target else "its mean is above the target")
+        res.notes.append(f"the choice '{res.chosen.label}' fails on the held-out text: KL {mine.kl:.4g} "
+                         f"[{lo:.4g}, {hi:.4g}] (95%), upper bound above the target {target:.4g} ({why}): not returned")
+        res.rejected, res.chosen = res.chosen, None
 
 
 def _refine_all(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], float],
@@ -337,8 +444,8 @@ def _refine_all(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], f
     setting's KL slack is often where the per-layer savings are (measured: ggml at context 2048 on the
     trained fixture, 739,008 bytes without the descent and the nearest-size steps of :func:`_next_levels`,
     713,664 with both; the descent alone still stopped at 739,008)."""
-    pair = min((c for c in res.uniform if c.kl <= target), key=lambda c: (c.kv_bytes, c.kl), default=None)
-    if pair is not None and any(c.kl <= target and (c.kv_bytes, c.kl) < (pair.kv_bytes, pair.kl) for c in res.rounds):
+    pair = min((c for c in res.uniform if c.within(target)), key=lambda c: (c.kv_bytes, c.kl), default=None)
+    if pair is not None and any(c.within(target) and (c.kv_bytes, c.kl) < (pair.kv_bytes, pair.kl) for c in res.rounds):
         _refine(res, run, dkl, ubytes, units, ladder, layers, split, target, tried, start=pair,
                 rounds=REFINE_ROUNDS // 2, name="descent from the uniform setting")
     _refine(res, run, dkl, ubytes, units, ladder, layers, split, target, tried)
@@ -357,7 +464,7 @@ def _refine(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], float
         return 0.0 if lv == top else dkl[(u[0], u[1], lv)]
 
     for rnd in range(rounds):
-        within = [c for c in (mine if mine is not None else res.rounds + res.uniform) if c.kl <= target]
+        within = [c for c in (mine if mine is not None else res.rounds + res.uniform) if c.within(target)]
         if not within:
             return
         cur = min(within, key=lambda c: (c.kv_bytes, c.kl))

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Sequence
 
 import numpy as np
@@ -49,6 +50,7 @@ class Interval:
         return self.low > 0 or self.high < 0
 
 
+@lru_cache(maxsize=512)
 def t_quantile(df: int, conf: float = 0.95) -> float:
     """The two-sided Student-t quantile ``t(df, (1 + conf) / 2)`` (scipy when installed, else a series
     accurate to ~1e-4 for df >= 1)."""
