@@ -43,7 +43,7 @@ def main() -> None:
     keys, values = [conv(x) for x in a.keys.split(",")], [conv(x) for x in a.values.split(",")]
     model, src, copts = load_inputs(a)
     layers = _layers(model, a.scheme)
-    memo: dict = {}  # layer_bits text -> row: what auto-bits measured is not measured again for the grid
+    memo: dict = {}  # ("search", layer_bits text) -> row: what auto-bits measured is not measured again for the grid
     t0 = time.perf_counter()
     r = auto_bits(model, src, a.scheme, {}, a.max_kl, copts, a.archive, jobs=a.jobs, show_progress=False,
                   match_uniform=True, cache=memo)
@@ -56,16 +56,17 @@ def main() -> None:
     print(f"{a.archive}, scheme {a.scheme}, {layers} layers, context {a.context}, {a.eval_tokens} predictions; "
           f"grid keys {a.keys} x values {a.values}: {len(settings)} settings", flush=True)
     specs = [_spec(a.scheme, {}, s, str(i)) for i, s in enumerate(settings)]
-    todo = [sp for sp in specs if sp.kwargs["layer_bits"] not in memo]
+    todo = [sp for sp in specs if ("search", sp.kwargs["layer_bits"]) not in memo]
     t0 = time.perf_counter()
     where = "auto-bits' runs only"
     if todo:
-        job, _ = prepare(model, src, copts, a.archive)
+        job, _ = prepare(model, src, copts, a.archive, pick=lambda st: st[:1])  # auto-bits' search window
         rows, where = run_tasks(run_job, job, todo, [sp.text for sp in todo], jobs=a.jobs,
                                 steps=job_steps(copts, job.contexts), show_progress=False, on_error=worker_died)
-        memo.update((sp.kwargs["layer_bits"], row) for sp, row in zip(todo, rows))
+        memo.update((("search", sp.kwargs["layer_bits"]), row) for sp, row in zip(todo, rows))
     t_grid = time.perf_counter() - t0
-    grid = [Candidate(sp.kwargs["layer_bits"], s, memo[sp.kwargs["layer_bits"]]) for sp, s in zip(specs, settings)]
+    grid = [Candidate(sp.kwargs["layer_bits"], s, memo[("search", sp.kwargs["layer_bits"])])
+            for sp, s in zip(specs, settings)]
     measured = [c for c in grid if math.isfinite(c.kl)]
     within = sorted((c.kv_bytes, c.kl, c.label) for c in measured if c.kl <= bu.kl)
 
