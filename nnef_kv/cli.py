@@ -178,7 +178,15 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     n = _int_at_least("--max-new-tokens", args.max_new_tokens, 1)
     src = _existing_path(args.archive)
+    chat = _chat_config(args, src) if getattr(args, "chat", False) else None
+    if chat is not None:
+        args.prompt = _chat_prompt(chat, args.prompt)
     source = _token_source(args, src, default_text=False)
+    if chat is None and source.tokenizer_path:
+        from .text import chat_config
+
+        chat = chat_config(source.tokenizer_path)
+    eos = _eos_id(chat, source.tokenizer)
     model = load(src)
     decoder = InterpreterDecoder(model)
     source.check_vocabulary(vocab_size(decoder.session, decoder.sig))
@@ -206,6 +214,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         logits = decoder(np.asarray(source.ids, np.int64))
         for i in range(n):
             tok = int(np.argmax(logits))
+            if tok == eos:
+                stopped = "stopped at the end-of-sequence token"
+                break
             show(tok)
             if i + 1 < n:
                 logits = decoder(np.asarray([tok], np.int64))
@@ -226,6 +237,54 @@ def cmd_generate(args: argparse.Namespace) -> int:
               f"KV {kv:,} bytes at {len(source.ids) + max(len(produced) - 1, 0)} positions"
               + (f" ({stopped})" if stopped else ""), file=sys.stderr)
     return EXIT_INTERRUPTED if stopped == "interrupted" else EXIT_OK
+
+
+def _chat_config(args: argparse.Namespace, src: Path) -> dict[str, Any]:
+    """The ``tokenizer_config.json`` (chat template, BOS/EOS) beside the tokenizer ``generate --chat`` uses."""
+    from .text import chat_config, find_tokenizer
+
+    if args.prompt is None:
+        raise CliError("--chat: give the user's message with --prompt TEXT")
+    tok = Path(args.tokenizer) if args.tokenizer else find_tokenizer(src)
+    if tok is not None and tok.is_dir():
+        tok = tok / "tokenizer.json"
+    conf = chat_config(tok) if tok is not None else None
+    if not conf or not conf.get("chat_template"):
+        raise CliError(f"--chat: no chat template found (tokenizer_config.json with 'chat_template' beside "
+                       f"{tok or 'the tokenizer'}; nnef-kv convert model.gguf writes it)")
+    return conf
+
+
+def _chat_prompt(conf: dict[str, Any], message: str) -> str:
+    """``message`` as the user's turn of the model's chat template (Jinja, as transformers renders it)."""
+    try:
+        import jinja2
+    except ImportError:  # pragma: no cover - a dependency of the package
+        raise CliError("--chat needs the 'jinja2' package (pip install jinja2)") from None
+    env = jinja2.Environment(undefined=jinja2.StrictUndefined, keep_trailing_newline=True)
+
+    def raise_exception(msg: str) -> None:
+        raise CliError(f"--chat: the chat template refused the message ({msg})")
+
+    env.globals["raise_exception"] = raise_exception
+    try:
+        return env.from_string(conf["chat_template"]).render(
+            messages=[{"role": "user", "content": message}], add_generation_prompt=True,
+            bos_token=conf.get("bos_token") or "", eos_token=conf.get("eos_token") or "")
+    except jinja2.TemplateError as exc:
+        raise CliError(f"--chat: the chat template cannot be rendered ({' '.join(str(exc).split())[:160]})") from None
+
+
+def _eos_id(conf: dict[str, Any] | None, tokenizer: Any) -> int | None:
+    """The end-of-sequence id generation stops at: ``tokenizer_config.json``'s, else None (run to the count)."""
+    if conf is None:
+        return None
+    if isinstance(conf.get("eos_token_id"), int):
+        return conf["eos_token_id"]
+    name = conf.get("eos_token")
+    if isinstance(name, dict):
+        name = name.get("content")
+    return tokenizer.token_to_id(name) if isinstance(name, str) and tokenizer is not None else None
 
 
 _VALIDATE_NAMES = {"contexts": "--context", "eval_tokens": "--eval-tokens", "windows": "--windows",
@@ -452,7 +511,12 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--prompt-ids", help="comma-separated token ids, e.g. 1,2,3")
     sp.add_argument("--ids", help=".npy or text file of token ids")
     sp.add_argument("--tokenizer", help="tokenizer.json (or a folder holding one); default: found next to the archive")
-    sp.add_argument("--max-new-tokens", type=int, default=16, help="tokens to generate (default 16)")
+    sp.add_argument("--max-new-tokens", type=int, default=16,
+                    help="tokens to generate at most (default 16; generation also stops at the end-of-sequence token "
+                         "of tokenizer_config.json)")
+    sp.add_argument("--chat", action="store_true",
+                    help="--prompt is a user message: apply the chat template of the tokenizer_config.json beside the "
+                         "tokenizer (written by nnef-kv convert model.gguf)")
 
     sp = sub.add_parser("validate", help="what the quantized KV cache costs on real text, against the f32 reference",
                         description="For each --context L: prefill the first L tokens of the text, teacher-force the "

@@ -27,10 +27,13 @@ from .grammar.printer import short
 
 __all__ = ["TOKENIZER_FILE", "archive_base", "named_beside", "write_beside", "chat_config", "find_tokenizer",
            "load_tokenizer", "read_text", "read_ids", "TokenSource",
-           "token_source", "byte_level_tokenizer", "sample_text", "SAMPLE_TEXT", "decode_stream"]
+           "token_source", "byte_level_tokenizer", "sample_text", "SAMPLE_TEXT", "WIKITEXT", "decode_stream"]
 
 TOKENIZER_FILE = "tokenizer.json"
 SAMPLE_TEXT = Path(__file__).resolve().parent / "samples" / "texts" / "declaration_of_independence.txt"
+#: the first 38 articles of WikiText-2's raw test split (CC BY-SA 3.0; samples/texts/README.md): the text
+#: llama.cpp users measure perplexity and KL divergence on
+WIKITEXT = SAMPLE_TEXT.parent / "wikitext2_test_38.txt"
 MAX_TEXT_BYTES = 1 << 30  # a text file larger than this is refused before it is read
 
 

@@ -238,3 +238,20 @@ def test_bad_gguf_is_refused_in_one_line_and_nothing_is_written(tmp_path, case, 
     r = _run_cli("convert", str(path), "-o", str(out))
     assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert not out.exists() and not (tmp_path / "o" / "tokenizer.json").exists()
+
+
+def test_generate_chat_applies_the_gguf_chat_template(tmp_path):
+    cfg = _cfg()
+    path = write_gguf(tmp_path / "m.gguf", cfg, build_decoder_weights(cfg))
+    out = tmp_path / "m.nnef.tgz"
+    assert _run_cli("convert", str(path), "-o", str(out)).returncode == 0
+    from nnef_kv.cli import _chat_prompt
+    from nnef_kv.text import chat_config
+
+    conf = chat_config(tmp_path / "tokenizer.json")
+    assert _chat_prompt(conf, "hi") == "<user>hi"
+    r = _run_cli("generate", str(out), "--prompt", "hi", "--chat", "--max-new-tokens", "3")
+    assert r.returncode == 0, r.stderr
+    (tmp_path / "tokenizer_config.json").unlink()
+    r = _run_cli("generate", str(out), "--prompt", "hi", "--chat")
+    assert r.returncode == 2 and "--chat: no chat template found" in r.stderr
