@@ -149,3 +149,18 @@ def test_default_threads_step_back_to_one_while_other_processes_hold_the_cpus(mo
     auto.run({"x": x})  # the machine is quiet again: two threads
     assert _splits() == before + 2
     assert parallel.run_threads(2, auto=False) == 2 and parallel.run_threads(1, auto=True) == 1
+
+
+def test_results_are_the_same_bits_on_one_thread_two_threads_and_paused(monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2 rows x 576 x 960 by a transposed weight: BLAS rounds the whole product and its halves differently
+    model, w = _model(576, 960, seed=3)
+    x = np.random.default_rng(4).standard_normal((1, 2, 576)).astype(np.float32)
+    whole = x[0] @ w[0].T
+    halves = parallel.halves(x[0], w[0].T)
+    one = Session(model, threads=1).run({"x": x})["y"]
+    two = Session(model, threads=2).run({"x": x})["y"]
+    np.testing.assert_array_equal(one[0], halves)
+    np.testing.assert_array_equal(two, one)
+    monkeypatch.setattr(parallel.SPLITTER, "_skip", 5)  # paused: the caller computes both halves itself
+    np.testing.assert_array_equal(Session(model, threads=2).run({"x": x})["y"], one)
+    np.testing.assert_allclose(one[0], whole, rtol=1e-4, atol=1e-4)

@@ -12,8 +12,10 @@ costs little more than one thread. Use it with BLAS itself on one thread
 (``threadpoolctl.threadpool_limits(1, "blas")``).
 
 The halves are split on a multiple of 16 columns; each output element is the same dot product as in the
-unsplit product (BLAS may round a column differently next to a block edge: within the float tolerance
-the parity tests use).
+unsplit product, but BLAS may round a whole product and its halves differently (it picks its kernel by
+size): :func:`split_matmul` therefore computes every product large enough to split as the same two
+halves on every path (two threads, one thread, paused), so a session's results are the same bits whatever
+its ``threads`` and the machine's load.
 
 **The thread policy** (issue 26): while a session runs, BLAS itself is held at one thread
 (:data:`BLAS`, through threadpoolctl) whatever the session's ``threads``, and the session's own
@@ -103,7 +105,7 @@ class ColumnSplitter:
         if self._skip:
             self._skip -= 1
             self.paused += 1
-            return np.matmul(a, bt)
+            return halves(a, bt)
         if self._thread is None:
             self._start()
         out = np.empty((a.shape[0], n), dtype=np.result_type(a, bt))
@@ -151,12 +153,28 @@ def split_worth(m: int, k: int, n: int, itemsize: int = 4) -> bool:
     return k * n * itemsize >= MIN_SPLIT_BYTES and m * k * n >= MIN_SPLIT_WORK and n >= 32
 
 
+def halves(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
+    """``a @ bt`` computed as the two column halves :meth:`ColumnSplitter.matmul` makes, on this thread: the
+    same BLAS calls, so the same bits, whether a product was split across threads or not."""
+    n = bt.shape[1]
+    h = (n // 2) // 16 * 16
+    if h == 0 or h == n:
+        return np.matmul(a, bt)
+    out = np.empty((a.shape[0], n), dtype=np.result_type(a, bt))
+    np.matmul(a, bt[:, :h], out=out[:, :h])
+    np.matmul(a, bt[:, h:], out=out[:, h:])
+    return out
+
+
 def split_matmul(a2d: np.ndarray, bt: np.ndarray) -> Any:
-    """``a2d @ bt``, split across two threads when a session with ``threads > 1`` is running and the
-    product is large enough (:func:`split_worth`); plain ``np.matmul`` otherwise."""
-    if SPLITTER.active and a2d.ndim == 2 and bt.ndim == 2 and a2d.dtype == bt.dtype \
+    """``a2d @ bt``; a product large enough to split (:func:`split_worth`) is always computed as its two column
+    halves, across two threads when a session with ``threads > 1`` is running, else one after the other:
+    BLAS may round a whole product and its halves differently (another kernel for another width: up to
+    6e-5 on 1-2 rows x 576 x 1536 measured), and a result must not depend on the threads or the machine's
+    load. A plain ``np.matmul`` for the others."""
+    if a2d.ndim == 2 and bt.ndim == 2 and a2d.dtype == bt.dtype \
             and split_worth(a2d.shape[0], bt.shape[0], bt.shape[1], bt.itemsize):
-        return SPLITTER.matmul(a2d, bt)
+        return SPLITTER.matmul(a2d, bt) if SPLITTER.active else halves(a2d, bt)
     return np.matmul(a2d, bt)
 
 
@@ -308,6 +326,6 @@ def run_threads(threads: int, auto: bool) -> int:
     return threads
 
 
-__all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "split_worth", "MIN_SPLIT_BYTES", "MIN_SPLIT_WORK",
+__all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "split_worth", "halves", "MIN_SPLIT_BYTES", "MIN_SPLIT_WORK",
            "BLAS", "BlasThreads", "default_threads", "check_threads", "usable_cpus",
            "THREADS_ENV", "LOAD", "LoadWatch", "run_threads"]
