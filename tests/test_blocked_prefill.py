@@ -49,7 +49,8 @@ def _qkv(hq: int, hkv: int, sq: int, skv: int, d: int = 16, seed: int = 0):
 
 @pytest.mark.parametrize("hq,hkv,sq,skv,kind", [
     (4, 2, 70, 70, "causal"), (4, 2, 70, 90, "causal"), (4, 4, 70, 50, "causal"), (6, 2, 67, 67, "causal"),
-    (6, 2, 40, 55, "mask"), (4, 4, 33, 33, "mask-heads"), (2, 1, 33, 40, "none")])
+    (6, 2, 40, 55, "mask"), (6, 2, 80, 90, "mask"), (4, 4, 33, 33, "mask-heads"), (4, 4, 70, 70, "mask-heads"),
+    (2, 1, 33, 40, "none")])
 def test_sdpa_blocked_equals_one_call(monkeypatch, count_blocks, hq, hkv, sq, skv, kind) -> None:
     q, k, v = _qkv(hq, hkv, sq, skv)
     mask = None
@@ -60,6 +61,8 @@ def test_sdpa_blocked_equals_one_call(monkeypatch, count_blocks, hq, hkv, sq, sk
             mask = np.repeat(mask, hq, axis=1) + np.random.default_rng(1).standard_normal((1, hq, sq, skv)).astype(
                 np.float32)
     causal = kind == "causal"
+    if kind == "mask" and sq > 64:  # a hard mask: blocks leave out the keys it hides
+        monkeypatch.setattr(blocked, "unseen_from", _counting(blocked.unseen_from, cuts := []))
     monkeypatch.setattr(blocked, "SCORE_BYTES", ONE_CALL)
     monkeypatch.setattr(blocked, "CAUSAL_BLOCKS", 1)
     ref = sdpa_array(q, k, v, mask, is_causal=causal)
@@ -68,6 +71,16 @@ def test_sdpa_blocked_equals_one_call(monkeypatch, count_blocks, hq, hkv, sq, sk
     got = sdpa_array(q, k, v, mask, is_causal=causal)
     assert count_blocks[-1] == -(-sq // 7)
     assert _rel(got, ref) <= 1e-5
+    if kind == "mask" and sq > 64:
+        assert any(c < skv for c in cuts)
+
+
+def _counting(fn, seen: list):
+    def wrapped(*a):
+        got = fn(*a)
+        seen.append(got)
+        return got
+    return wrapped
 
 
 def test_sdpa_causal_blocks_keep_non_finite_values_as_one_call(monkeypatch) -> None:
@@ -227,24 +240,22 @@ def test_plan_attention_at_2048_tokens_stays_under_a_bound(monkeypatch) -> None:
 def test_plan_blocks_leave_out_only_keys_whose_weight_is_exactly_zero() -> None:
     """The fused chain's blocks leave out the trailing keys of a block only when the mask puts them so far
     below every row's visible keys (against a bound of the scores) that one call weights them exactly 0."""
-    from nnef_kv.interpreter.plan.attention import _score_bound, _unseen_from
-
     q, k, v = _qkv(4, 2, 64, 64)
-    smax = _score_bound(q, k, v, np.float32(0.25))
+    smax = blocked.score_bound(q, k, v, np.float32(0.25))
     s = 0.25 * np.einsum("bhqd,bhkd->bhqk", q, np.repeat(k, 2, axis=1))
     assert smax is not None and np.max(np.abs(s)) <= smax
     fut = np.arange(64)[None, :] > np.arange(64)[:, None]
     hard = (fut * np.float32(-1e9)).astype(np.float32)[None, None]
-    assert _unseen_from(hard[:, :, 16:32], smax) == 32  # rows 16..31 see keys 0..31
-    assert _unseen_from(hard[:, :, 48:64], smax) == 64  # the last rows see every key
+    assert blocked.unseen_from(hard[:, :, 16:32], smax) == 32  # rows 16..31 see keys 0..31
+    assert blocked.unseen_from(hard[:, :, 48:64], smax) == 64  # the last rows see every key
     soft = (fut * np.float32(-2 * smax - 50)).astype(np.float32)[None, None]  # exp(-50): small, not 0
-    assert _unseen_from(soft[:, :, 16:32], smax) == 64
+    assert blocked.unseen_from(soft[:, :, 16:32], smax) == 64
     inf = np.where(fut, np.float32(-np.inf), np.float32(0))[None, None]
-    assert _unseen_from(inf[:, :, 0:8], smax) == 8
-    assert _unseen_from(np.full((1, 1, 8, 64), -np.inf, np.float32), smax) == 64  # rows that see nothing
+    assert blocked.unseen_from(inf[:, :, 0:8], smax) == 8
+    assert blocked.unseen_from(np.full((1, 1, 8, 64), -np.inf, np.float32), smax) == 64  # rows that see nothing
     for bad in ("q", "k", "v"):
         arrays = {"q": q.copy(), "k": k.copy(), "v": v.copy()}
         arrays[bad][0, 0, 5, 3] = np.nan if bad != "v" else np.inf
-        assert _score_bound(arrays["q"], arrays["k"], arrays["v"], None) is None
-    big = q * np.float32(1e18)
-    assert _score_bound(big, k, v, None) is None or _unseen_from(hard[:, :, 16:32], _score_bound(big, k, v, None)) == 64
+        assert blocked.score_bound(arrays["q"], arrays["k"], arrays["v"], None) is None
+    big = blocked.score_bound(q * np.float32(1e18), k, v, None)  # scores beyond what a -1e9 mask hides
+    assert big is None or blocked.unseen_from(hard[:, :, 16:32], big) == 64

@@ -8,13 +8,25 @@ query row's scores, softmax and weighted sum are the same operations on the same
 call differs from the one-call result only by the summation order BLAS picks for a block (and, on a causal
 attention, by the keys a block cannot see being left out instead of weighted by an exact zero).
 
+On a prefill the blocks also skip work: a causal attention's block (``sdpa_array`` ``is_causal``, HF) reads
+only the keys its rows see, when every value is finite (one call multiplies a hidden value by an exact
+zero: a non-finite one gives NaN there); a block under an additive mask (the plan's chain, ``sdpa_array``
+with a mask) leaves out its trailing keys when :func:`unseen_from` proves their softmax weight is exactly
+0 in f32 in one call too: the mask puts them more than ``2 * score_bound + 110`` below every row's other
+keys, :func:`score_bound` bounding ``|scale q.k|`` by the rows' norms (none when a query, key or value is
+not finite). A causal-looking prefill is taken in about :data:`CAUSAL_BLOCKS` blocks for that.
+
 Without blocks a one-call prefill holds ``heads x L x L`` f32 scores per attention (2.4 GB at L = 8192 on
 SmolLM2-135M's 9 heads); with them a block holds at most :data:`SCORE_BYTES` (plus the softmax's
 reductions, a few rows per head).
 """
 from __future__ import annotations
 
-__all__ = ["SCORE_BYTES", "CAUSAL_BLOCKS", "CAUSAL_ROWS", "row_block", "row_ranges"]
+from typing import Any
+
+import numpy as np
+
+__all__ = ["SCORE_BYTES", "CAUSAL_BLOCKS", "CAUSAL_ROWS", "row_block", "row_ranges", "score_bound", "unseen_from"]
 
 #: the most bytes of f32 scores (every head of one call) an attention computes at once; above it the
 #: queries are taken in blocks of rows (read at call time: tests and users may change it)
@@ -40,3 +52,35 @@ def row_ranges(rows: int, block: int) -> list[tuple[int, int]]:
     """``[(i0, i1), ...]`` covering ``0..rows`` in blocks of ``block`` rows (one range when it covers all)."""
     block = max(1, int(block))
     return [(i0, min(rows, i0 + block)) for i0 in range(0, max(rows, 1), block)]
+
+
+#: below this, ``exp(x)`` is exactly 0 in f32 (the smallest subnormal is ``exp(-103.3)``)
+_EXP_ZERO = -110.0
+
+
+def score_bound(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, scale: Any) -> float | None:
+    """A bound on ``|scale * q.k|`` over every query row and key (Cauchy-Schwarz on the row norms), None
+    when some query, key or value is not finite (then no key may be left out: one call would give NaN)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        qn = float(np.sqrt(np.max(np.einsum("...d,...d->...", q, q, dtype=np.float64))))
+        kn = float(np.sqrt(np.max(np.einsum("...d,...d->...", kv, kv, dtype=np.float64))))
+    sc = 1.0 if scale is None else abs(float(np.asarray(scale).reshape(-1)[0]))
+    bound = sc * qn * kn
+    if not (np.isfinite(bound) and np.isfinite(vv).all()):
+        return None
+    return bound
+
+
+def unseen_from(mb: np.ndarray, smax: float) -> int:
+    """The first key of the trailing keys no query row of this block sees: where every mask value is the
+    block's lowest column maximum and that is so far below every row's highest mask value on the other keys
+    (more than ``2 * smax`` + 110) that its softmax weight is exactly 0 in one call too. ``T`` when none."""
+    t = mb.shape[-1]
+    colmax = np.max(mb.reshape(-1, t), axis=0)
+    low = float(colmax.min())
+    above = np.flatnonzero(colmax > low)
+    cut = int(above[-1]) + 1 if above.size else 0
+    if cut == 0 or cut == t:
+        return t
+    vis = float(np.min(np.max(mb[..., :cut], axis=-1)))
+    return cut if vis - low > 2.0 * smax - _EXP_ZERO else t

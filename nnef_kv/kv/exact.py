@@ -131,7 +131,11 @@ def sdpa_array(
             raise GraphError(f"{where}: mask heads ({m.shape[1]}) must be 1 or {hq}")
     qw = q if q.dtype == work else q.astype(work)
     bq = blocked.row_block(b * hq * skv * work.itemsize, sq)
-    if is_causal and sq >= 2 * blocked.CAUSAL_ROWS and 2 * sq > skv:
+    smax = None  # a mask over every row and key of a prefill: blocks may leave out keys it hides (f32 only)
+    if (m5 is not None and m5.shape[3] == sq and m5.shape[4] == skv and work == np.float32
+            and sq >= 2 * blocked.CAUSAL_ROWS and 2 * sq > skv):
+        smax = blocked.score_bound(qw, kf, vf, s)
+    if (is_causal or smax is not None) and sq >= 2 * blocked.CAUSAL_ROWS and 2 * sq > skv:
         bq = min(bq, max(blocked.CAUSAL_ROWS, -(-sq // blocked.CAUSAL_BLOCKS)))  # blocks that skip unseen keys
     if bq >= sq:  # one block: query groups folded into rows, [B, Hkv, g*Sq, D] @ [B, Hkv, D, Skv]
         out = _sdpa_rows(qw.reshape(b, hkv, g * sq, d), kf, vf, m5, g, 0, sq, skv - sq, s, is_causal, work)
@@ -145,7 +149,10 @@ def sdpa_array(
         out5 = None
         for i0, i1 in blocked.row_ranges(sq, bq):
             t = min(skv, max(1, past + i1)) if cut else skv
-            mb = None if m5 is None else (m5 if m5.shape[3] == 1 else m5[:, :, :, i0:i1])  # never with a cut
+            mb = None if m5 is None else (m5 if m5.shape[3] == 1 else m5[:, :, :, i0:i1])
+            if smax is not None:
+                t = blocked.unseen_from(mb, smax)
+                mb = mb[..., :t]
             qb = q5[:, :, :, i0:i1].reshape(b, hkv, g * (i1 - i0), d)
             ob = _sdpa_rows(qb, kf[:, :, :t], vf[:, :, :t], mb, g, i0, i1, past, s, is_causal, work)
             if out5 is None:

@@ -108,38 +108,6 @@ def _attend_rows(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, mv: np.ndarray |
     return np.matmul(s, vv[:, :, None]).reshape(b, hq, sq, vv.shape[3])
 
 
-#: below this, ``exp(x)`` is exactly 0 in f32 (the smallest subnormal is ``exp(-103.3)``)
-_EXP_ZERO = -110.0
-
-
-def _score_bound(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, scale: Any) -> float | None:
-    """A bound on ``|scale * q.k|`` over every query row and key (Cauchy-Schwarz on the row norms), None
-    when some query, key or value is not finite (then no key may be left out: one call would give NaN)."""
-    with np.errstate(over="ignore", invalid="ignore"):
-        qn = float(np.sqrt(np.max(np.einsum("...d,...d->...", q, q, dtype=np.float64))))
-        kn = float(np.sqrt(np.max(np.einsum("...d,...d->...", kv, kv, dtype=np.float64))))
-    sc = 1.0 if scale is None else abs(float(np.asarray(scale).reshape(-1)[0]))
-    bound = sc * qn * kn
-    if not (np.isfinite(bound) and np.isfinite(vv).all()):
-        return None
-    return bound
-
-
-def _unseen_from(mb: np.ndarray, smax: float) -> int:
-    """The first key of the trailing keys no query row of this block sees: where every mask value is the
-    block's lowest column maximum and that is so far below every row's highest mask value on the other keys
-    (more than ``2 * smax`` + 110) that its softmax weight is exactly 0 in one call too. ``T`` when none."""
-    t = mb.shape[-1]
-    colmax = np.max(mb.reshape(-1, t), axis=0)
-    low = float(colmax.min())
-    above = np.flatnonzero(colmax > low)
-    cut = int(above[-1]) + 1 if above.size else 0
-    if cut == 0 or cut == t:
-        return t
-    vis = float(np.min(np.max(mb[..., :cut], axis=-1)))
-    return cut if vis - low > 2.0 * smax - _EXP_ZERO else t
-
-
 def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     root = flow.nodes[k]
     if root.op != "matmul" or pair(root) is None or root.attrs.get("transposeA") or root.attrs.get("transposeB"):
@@ -232,7 +200,7 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
         bq = blocked.row_block(b * hq * t * 4, sq)
         smax = None
         if mv is not None and mv.shape[2] == sq and mv.shape[3] == t and sq >= 2 * blocked.CAUSAL_ROWS and 2 * sq > t:
-            smax = _score_bound(q, kv, vv_, scale)  # a causal-looking prefill: blocks may leave keys out
+            smax = blocked.score_bound(q, kv, vv_, scale)  # a causal-looking prefill: blocks may leave keys out
             if smax is not None:
                 bq = min(bq, max(blocked.CAUSAL_ROWS, -(-sq // blocked.CAUSAL_BLOCKS)))
         if bq >= sq:
@@ -240,7 +208,7 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
         out = np.empty((b, hq, sq, vv_.shape[3]), np.float32)
         for i0, i1 in blocked.row_ranges(sq, bq):  # a long prefill: the scores of a block of queries at a time
             mb = mv if mv is None or mv.shape[2] == 1 else mv[:, :, i0:i1]
-            c = t if smax is None else _unseen_from(mb, smax)
+            c = t if smax is None else blocked.unseen_from(mb, smax)
             if c < t:
                 out[:, :, i0:i1] = _attend_rows(q[:, :, i0:i1], kv[:, :, :c], vv_[:, :, :c], mb[..., :c], g, scale,
                                                 spos, mpos)
