@@ -133,6 +133,8 @@ class _Timed:
 
 
 def decode_rows(model: Any, folder: Path, prompt: np.ndarray, steps: int, loaded: bool) -> None:
+    """Every setting and tract in one lockstep: each token, every engine takes one call, the order rotated
+    each token, so all of them see the same moments of a shared machine (load moves by 2x in a minute)."""
     from nnef_kv.interpreter.plan import parallel
     from nnef_kv.interpreter.session import Session
 
@@ -145,32 +147,32 @@ def decode_rows(model: Any, folder: Path, prompt: np.ndarray, steps: int, loaded
             spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
             time.sleep(1.0)
         try:
-            print(f"\n## decode, {steps - 1} tokens after a {len(prompt)}-token prompt, paired with tract "
-                  f"({'one process spinning beside' if spin else 'no extra load'}; {uptime()})")
-            print("| nnef-kv | ms/token (median) | tract ms/token | tok/s ratio vs tract | same tokens | "
-                  "splits / taken back / paused |")
+            print(f"\n## decode, {steps - 1} tokens after a {len(prompt)}-token prompt, every setting and tract in "
+                  f"one lockstep ({'one process spinning beside' if spin else 'no extra load'}; {uptime()})")
+            engines = {label: _Timed(*_calls_of(Session(model, threads=threads))) for label, threads in settings}
+            engines["tract"] = _Timed(tract_first, tract_step)
+            order = list(engines.values())
+            for e in order:
+                e.first(prompt)
+            one_thread_runs = 0
+            for i in range(steps - 1):
+                for e in order[i % len(order):] + order[:i % len(order)]:
+                    e.step()
+                one_thread_runs += not parallel.LOAD.free()
+            tract = float(np.median(engines["tract"].times))
+            print("| nnef-kv | ms/token (median) | tract ms/token | tok/s ratio vs tract | vs threads=1 | "
+                  "same tokens as tract |")
             print("|---|---|---|---|---|---|")
-            rows = {}
-            for label, threads in settings:
-                ours = _Timed(*_calls_of(Session(model, threads=threads)))
-                theirs = _Timed(tract_first, tract_step)
-                sp = parallel.SPLITTER
-                before = (sp.split, sp.taken_back, sp.paused)
-                ours.first(prompt)
-                theirs.first(prompt)
-                for i in range(steps - 1):
-                    for e in ((ours, theirs) if i % 2 == 0 else (theirs, ours)):
-                        e.step()
-                a, b = float(np.median(ours.times)), float(np.median(theirs.times))
-                rows[label] = a
-                counts = "/".join(str(x - y) for x, y in zip((sp.split, sp.taken_back, sp.paused), before))
-                print(f"| {label} | {a * 1e3:.1f} | {b * 1e3:.1f} | {b / a:.2f}x | {ours.tokens == theirs.tokens} | "
-                      f"{counts} |", flush=True)
-            print(f"(the default's load watch: {parallel.LOAD.others:.2f} CPUs of other work beside this process, "
-                  f"so {'two threads' if parallel.LOAD.free() else 'one thread'})")
-            one = rows["threads=1"]
-            print("two threads / one thread tok/s: " + ", ".join(f"{k} {one / v:.2f}x" for k, v in rows.items()
-                                                                 if k != "threads=1"))
+            one = float(np.median(engines["threads=1"].times))
+            for label, _ in settings:
+                e = engines[label]
+                a = float(np.median(e.times))
+                print(f"| {label} | {a * 1e3:.1f} | {tract * 1e3:.1f} | {tract / a:.2f}x | {one / a:.2f}x | "
+                      f"{e.tokens == engines['tract'].tokens} |", flush=True)
+            sp = parallel.SPLITTER
+            print(f"(the default's load watch: {parallel.LOAD.others:.2f} CPUs of other work beside this process at "
+                  f"the end; one thread on {one_thread_runs} of {steps - 1} tokens. Splitter so far: {sp.split} "
+                  f"split, {sp.taken_back} taken back, {sp.paused} paused)")
         finally:
             if spinner is not None:
                 spinner.kill()
