@@ -27,19 +27,24 @@ def _byte_tables(qrow, cb, bits, d, m, tab):  # tab [m, 256]: what byte value b 
 def _scores_planar(qr, codes, norms, cb, bits, d, out):
     n, mrows, _ = qr.shape
     t_len, m = codes.shape[1], codes.shape[2]
-    tab = np.empty((mrows, m, 256), np.float32)
+    tr = np.empty((m, 256), np.float32)  # one row's table at a time: it stays in L1 (m * 1 KiB)
     for h in range(n):
+        ch = codes[h]
         for r in range(mrows):
-            _byte_tables(qr[h, r], cb, bits, d, m, tab[r])
-        for t in range(t_len):
-            row = codes[h, t]
-            nt = norms[h, t]
-            for r in range(mrows):
-                tr = tab[r]
-                acc = np.float32(0.0)
-                for j in range(m):
-                    acc += tr[j, row[j]]
-                out[h, r, t] = acc * nt
+            _byte_tables(qr[h, r], cb, bits, d, m, tr)
+            o = out[h, r]
+            m4 = m - m % 4
+            for t in range(t_len):
+                row = ch[t]
+                a0 = a1 = a2 = a3 = np.float32(0.0)  # four chains of additions, not one
+                for j in range(0, m4, 4):
+                    a0 += tr[j, row[j]]
+                    a1 += tr[j + 1, row[j + 1]]
+                    a2 += tr[j + 2, row[j + 2]]
+                    a3 += tr[j + 3, row[j + 3]]
+                for j in range(m4, m):
+                    a0 += tr[j, row[j]]
+                o[t] = ((a0 + a1) + (a2 + a3)) * norms[h, t]
 
 
 @njit(**JIT)
@@ -71,12 +76,18 @@ def _scores_stream(qr, codes, norms, cb, bits, d, out):
         for t in range(t_len):
             _decode_stream(codes[h, t], cb, bits, d, dec)
             nt = norms[h, t]
+            d4 = d - d % 4
             for r in range(mrows):
                 q = qr[h, r]
-                acc = np.float32(0.0)
-                for c in range(d):
-                    acc += q[c] * dec[c]
-                out[h, r, t] = acc * nt
+                a0 = a1 = a2 = a3 = np.float32(0.0)  # four chains of additions, not one
+                for c in range(0, d4, 4):
+                    a0 += q[c] * dec[c]
+                    a1 += q[c + 1] * dec[c + 1]
+                    a2 += q[c + 2] * dec[c + 2]
+                    a3 += q[c + 3] * dec[c + 3]
+                for c in range(d4, d):
+                    a0 += q[c] * dec[c]
+                out[h, r, t] = ((a0 + a1) + (a2 + a3)) * nt
 
 
 @njit(**JIT)
@@ -85,20 +96,19 @@ def _values_planar(w, codes, cb, bits, d, out):
     m = codes.shape[2]
     per = 8 // bits
     mask = (1 << bits) - 1
-    hist = np.empty((mrows, m, 256), np.float32)
+    hr = np.empty((m, 256), np.float32)  # one row's histogram at a time: it stays in L1
     for h in range(n):
-        hist[:] = 0
-        for t in range(t_len):
-            row = codes[h, t]
-            for r in range(mrows):
-                wt = w[h, r, t]
-                hr = hist[r]
+        ch = codes[h]
+        for r in range(mrows):
+            hr[:] = 0
+            wr = w[h, r]
+            for t in range(t_len):
+                row = ch[t]
+                wt = wr[t]
                 for j in range(m):
                     hr[j, row[j]] += wt
-        for r in range(mrows):
             o = out[h, r]
             o[:] = 0
-            hr = hist[r]
             for j in range(m):
                 for b in range(256):
                     x = hr[j, b]
