@@ -200,3 +200,84 @@ def test_a_dead_worker_is_a_result_not_an_abort():
     assert got[0] == 0 and got[1].startswith("died: ") and "process pool" in where
     with pytest.raises(Exception):
         run_tasks(_die_on_odd, 10, [1], ["b"], jobs=1, show_progress=False)
+
+
+# -- issue 22: paired differences, the significant front; issue 23.9: reasons, Ctrl-C ---------------------
+def _row(name, kv_bytes, kl_tokens):
+    from nnef_kv.validate.compare import SchemeRow
+
+    kl = [float(x) for x in kl_tokens]
+    return SchemeRow(name, "measured", per_context=[{"context": 64, "kv_bytes": kv_bytes, "kl_tokens": kl,
+                                                     "kl_mean": sum(kl) / len(kl)}])
+
+
+def test_the_significant_front_keeps_rows_a_rerun_could_reorder():
+    """Four rows on the same 512 predictions: b (more bytes than a, KL lower by noise only) stays on the
+    front; c (more bytes than a and KL higher beyond the noise) is off it; d is the baseline (lowest KL)."""
+    import numpy as np
+
+    from nnef_kv.validate.compare import CompareReport, paired
+
+    rng = np.random.default_rng(1)
+    text = np.exp(rng.standard_normal(512))  # what the text costs every scheme
+    rows = [_row("a", 100, 0.010 * text + 1e-4 * rng.standard_normal(512)),
+            _row("b", 120, 0.010 * text + 1e-4 * rng.standard_normal(512)),
+            _row("c", 130, 0.020 * text),
+            _row("d", 200, 0.001 * text)]
+    rep = CompareReport("x", "t", [64], 128, rows, starts=[64, 400, 800, 1200])
+    paired(rep)
+    at = {r.scheme: r.at(64) for r in rows}
+    assert rep.baseline == {64: "d"} and at["d"]["kl_diff"] == 0 and at["d"]["kl_diff_ci95"] == [0.0, 0.0]
+    assert {k for k, s in at.items() if s["pareto"]} == {"a", "b", "d"}
+    assert at["c"]["kl_diff_significant"] and at["c"]["kl_diff_ci95"][0] > 0
+    lo, hi = at["a"]["kl_diff_ci95"]
+    assert lo <= at["a"]["kl_diff"] <= hi
+    paired(rep, baseline="a")  # another baseline, as --baseline gives
+    assert rep.baseline == {64: "a"} and at["a"]["kl_diff"] == 0 and not at["b"]["kl_diff_significant"]
+
+
+def test_the_table_shows_the_short_reason():
+    from nnef_kv.validate.compare import short_reason
+
+    long = ("measure: /very/long/path/to/the/archive/graph.nnef: line 12: nnef_kv_ggml_sdpa 'attn0': head_dim D "
+            "= 16 is not a multiple of 32")
+    assert short_reason(long) == "measure: head_dim D = 16 is not a multiple of 32"
+    got = short_reason("convert: scheme ggml: --group-size 7: must divide 64")
+    assert got == "convert: --group-size 7: must divide 64"  # a short cause keeps what it is about
+    assert short_reason("the job's worker died: BrokenProcessPool") == "the job's worker died: BrokenProcessPool"
+    assert short_reason("") == ""
+
+
+def test_ctrl_c_keeps_and_prints_the_rows_measured(monkeypatch, tmp_path, capsys):
+    """Ctrl-C during the jobs: the rows finished are kept, printed and written; the others say "not run";
+    exit 130."""
+    import numpy as np
+
+    import nnef_kv
+    from nnef_kv.models import DecoderConfig, build_decoder
+    from nnef_kv.validate import jobs
+    from nnef_kv.validate.compare import run_job
+
+    real = jobs.run_tasks
+
+    def interrupted(fn, shared, items, labels, **kw):
+        done, where = real(fn, shared, items[:1], labels[:1], **kw)
+        raise jobs.Interrupted(done + [None] * (len(items) - 1), where)
+
+    monkeypatch.setattr(jobs, "run_tasks", interrupted)
+    path = tmp_path / "f32.nnef.tar"
+    nnef_kv.save(build_decoder(DecoderConfig(vocab=256, hidden=32, layers=1, heads=2, kv_heads=1, head_dim=8,
+                                             mlp=32, seed=3)), path)
+    out = tmp_path / "rep"
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 400))
+    rc = main(["compare", str(path), "--ids", str(ids), "--schemes", "kivi:4+residual=16,kivi:2+residual=16",
+               "--context", "64", "--eval-tokens", "8", "--windows", "2", "--no-tract", "--jobs", "1",
+               "--report-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 130 and run_job is not None
+    assert "interrupted (Ctrl-C): 1 of 2 schemes measured" in printed
+    rep = json.loads((out / "report.json").read_text())
+    rows = {r["scheme"]: r for r in rep["rows"]}
+    assert rep["interrupted"] and rows["kivi:4+residual=16"]["status"] == "measured"
+    assert rows["kivi:2+residual=16"]["reason"] == "not run: interrupted (Ctrl-C)"

@@ -438,10 +438,12 @@ def short_reason(reason: str) -> str:
     if not reason:
         return ""
     stage, _, rest = reason.partition(": ")
-    parts = [p.strip() for p in (rest or stage).split(": ") if p.strip()]
+    if stage not in ("convert", "measure") or not rest:
+        stage, rest = "", reason
+    parts = [p.strip() for p in rest.split(": ") if p.strip()]
     keep = [p for p in parts if "/" not in p and not p.endswith((".nnef", ".tgz", ".tar"))] or parts
     text = keep[-1] if len(keep[-1]) > 24 or len(keep) == 1 else ": ".join(keep[-2:])
-    return (stage + ": " if rest and stage in ("convert", "measure") else "") + text
+    return (stage + ": " if stage else "") + text
 
 
 def paired(rep: CompareReport, baseline: str | None = None) -> None:
