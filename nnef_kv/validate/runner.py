@@ -186,13 +186,14 @@ def resolve_plan(options: ValidateOptions, n_text: int, maxpos: tuple[int | None
     if options.contexts:
         contexts = sorted(set(int(c) for c in options.contexts))
         floor_n = given_n or 1
+        with_n = f"with {nm['eval_tokens']} {floor_n}" if given_n else "with one prediction"
         for c in contexts:
             if top is not None and c + floor_n - 1 > top:
-                raise InputError(f"{nm['contexts']} {c}: with {nm['eval_tokens']} {floor_n} the model must hold "
-                                 f"{c + floor_n - 1} positions, it holds at most {top} ({bound})")
+                raise InputError(f"{nm['contexts']} {c}: {with_n} the model must hold {c + floor_n - 1} positions, it "
+                                 f"holds at most {top} ({bound})")
             if c + floor_n > n_text:
-                raise InputError(f"{nm['contexts']} {c}: with {nm['eval_tokens']} {floor_n} it needs {c + floor_n} "
-                                 f"tokens of text, the text has {n_text}")
+                raise InputError(f"{nm['contexts']} {c}: {with_n} it needs {c + floor_n} tokens of text, the text has "
+                                 f"{n_text}")
     else:
         w = max(windows, default=0)
         want = max(8 * w, DEFAULT_CONTEXT_FLOOR)
