@@ -442,6 +442,9 @@ SCHEMES: dict[str, Scheme] = {
         make_attributes=_ggml_attributes,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("key_type", "value_type", "residual", "rotate"), reported_unless={"rotate": False},
+        notes=lambda o: ["--rotate: llama.cpp's Walsh-Hadamard rotation of quantized K/V, applied by the op where "
+                         "head_dim is a multiple of 64 (elsewhere the blocks are stored as without it)"]
+        if o.rotate else [],
         doc="llama.cpp's -ctk/-ctv KV cache: every token's K and V rows in ggml blocks of 32 along head_dim "
             "(bit-exact with ggml's reference quantizers), no full-precision window unless --residual"),
     "hf": Scheme(
