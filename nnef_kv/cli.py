@@ -209,6 +209,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         out.flush()
 
     t0 = time.perf_counter()
+    c0 = _compiled()
     stopped = None
     try:
         logits = decoder(np.asarray(source.ids, np.int64))
@@ -230,10 +231,12 @@ def cmd_generate(args: argparse.Namespace) -> int:
             out.write(text_of(produced, final=True))
         out.write("\n")
         out.flush()
-        dt = time.perf_counter() - t0
+        compiled = _compiled() - c0  # kernels compiled on this machine's first run: not counted in tok/s
+        dt = max(time.perf_counter() - t0 - compiled, 0.0)
         kv = decoder.kv_bytes().get("total", 0)
         kind = "explicit cache" if decoder.sig.explicit else "session cache"
-        print(f"{len(produced)} tokens in {dt:.2f} s ({len(produced) / dt if dt else 0:.1f} tok/s), {kind}, "
+        print(f"{len(produced)} tokens in {dt:.2f} s ({len(produced) / dt if dt else 0:.1f} tok/s)"
+              + (f" + {compiled:.1f} s compiling kernels" if compiled >= 0.05 else "") + f", {kind}, "
               f"KV {kv:,} bytes at {len(source.ids) + max(len(produced) - 1, 0)} positions"
               + (f" ({stopped})" if stopped else ""), file=sys.stderr)
     return EXIT_INTERRUPTED if stopped == "interrupted" else EXIT_OK
@@ -440,6 +443,17 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate,
     "demo": cmd_demo,
 }
+
+
+def _compiled() -> float:
+    """Seconds the numba kernels spent compiling in this process (their first run on a machine)."""
+    from .kernels import compile_seconds
+
+    return compile_seconds()
+
+
+def _note_compiling(message: str) -> None:
+    print(f"note: {message} (numba keeps them in its on-disk cache)", file=sys.stderr, flush=True)
 
 
 def _version() -> str:
@@ -650,6 +664,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.debug = debug
     try:
         limits = _limits_from(args)
+        from . import kernels
+
+        kernels.on_compile = _note_compiling  # the first KIVI run on a machine says why it waits
         with using_limits(limits), _threads_of(args):
             return COMMANDS[args.command](args)
     except KeyboardInterrupt:

@@ -28,9 +28,50 @@ import os
 import warnings
 from typing import Any, Callable
 
-__all__ = ["numba_available", "numba_installed", "Kernel", "kernel", "NO_NUMBA_ENV"]
+__all__ = ["numba_available", "numba_installed", "Kernel", "kernel", "NO_NUMBA_ENV", "compile_seconds"]
 
 NO_NUMBA_ENV = "NNEF_KV_NO_NUMBA"
+
+#: called once a process, with "compiling kernels, once per machine", before the first call of a kernel whose
+#: numba module has no on-disk cache newer than its source (the command line prints it on stderr)
+on_compile: Callable[[str], None] | None = None
+_compile_time = [0.0]  # seconds spent in first calls that compiled (the command line leaves them out of tok/s)
+
+
+def compile_seconds() -> float:
+    """Seconds this process spent in the first calls of kernels that had no usable on-disk cache."""
+    return _compile_time[0]
+
+
+_cold: dict[str, bool] = {}  # module -> its cache was cold when this process first looked
+
+
+def _cache_cold(jit_path: str) -> bool:
+    """No numba cache index (``*.nbi``) of the kernel's module newer than its source when the process first
+    looked (the module's first kernel call writes some): its kernels' first calls compile."""
+    mod = jit_path.partition(":")[0]
+    if mod not in _cold:
+        _cold[mod] = _no_fresh_index(mod)
+    return _cold[mod]
+
+
+def _no_fresh_index(mod: str) -> bool:
+    import importlib.util
+    from pathlib import Path
+
+    try:
+        spec = importlib.util.find_spec(mod)
+        src = Path(spec.origin) if spec is not None and spec.origin else None
+        if src is None:
+            return False
+        stamp = src.stat().st_mtime
+        found = list((src.parent / "__pycache__").glob(f"{src.stem}.*.nbi"))
+        if os.environ.get("NUMBA_CACHE_DIR"):
+            found += list(Path(os.environ["NUMBA_CACHE_DIR"]).rglob(f"{src.stem}.*.nbi"))
+        return not any(p.stat().st_mtime >= stamp for p in found)
+    except (OSError, ImportError, ValueError):
+        return False
+
 
 _numba_ok: bool | None = None  # None: not tried yet
 
@@ -80,6 +121,7 @@ class Kernel:
         self.reference = reference
         self.jit_path = jit_path
         self._jit: Callable[..., Any] | None = None
+        self._called = False  # the first call of the numba side (in this process) is timed when it compiles
         #: why the numba side is not used any more in this process (it failed to import or compile), or None
         self.broken: str | None = None
         self.__name__ = reference.__name__
@@ -99,6 +141,8 @@ class Kernel:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if numba_available() and self.broken is None:
             try:
+                if not self._called:
+                    return self._first_call(*args, **kwargs)
                 return self.jit(*args, **kwargs)
             except Exception as exc:  # noqa: BLE001 - sorted below: compilation failures fall back
                 if not _compile_failure(exc):
@@ -108,6 +152,22 @@ class Kernel:
                               f"({self.broken[:200]}); the NumPy reference runs instead", RuntimeWarning,
                               stacklevel=2)
         return self.reference(*args, **kwargs)
+
+    def _first_call(self, *args: Any, **kwargs: Any) -> Any:
+        import time
+
+        global on_compile
+        cold = _cache_cold(self.jit_path)
+        if cold and on_compile is not None:
+            say, on_compile = on_compile, None  # once a process
+            say("compiling kernels, once per machine")
+        t0 = time.perf_counter()
+        try:
+            return self.jit(*args, **kwargs)
+        finally:
+            self._called = True
+            if cold:
+                _compile_time[0] += time.perf_counter() - t0
 
     def __repr__(self) -> str:
         return f"<kernel {self.__module__}.{self.__name__} (numba: {self.jit_path})>"
