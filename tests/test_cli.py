@@ -351,7 +351,8 @@ def test_validate_tract_parity_on_f32(archives, capsys) -> None:
 
 # -- demo --------------------------------------------------------------------------------------------
 def test_demo_table(capsys, tmp_path) -> None:
-    assert main(["demo", "--context", "128,300", "--eval-tokens", "16", "--report-dir", str(tmp_path / "reports")]) == 0
+    assert main(["demo", "--builtin", "--context", "128,300", "--eval-tokens", "16", "--report-dir",
+                 str(tmp_path / "reports")]) == 0
     out = capsys.readouterr().out
     lines = [ln for ln in out.splitlines() if ln.strip()]
     header = next(i for i, ln in enumerate(lines) if ln.startswith("model"))
@@ -372,7 +373,8 @@ def test_demo_table(capsys, tmp_path) -> None:
 
 
 def test_demo_session_cache_variant(capsys) -> None:
-    assert main(["demo", "--cache", "dyn", "--context", "128", "--eval-tokens", "16", "--bits", "4", "--no-tract",
+    assert main(["demo", "--builtin", "--cache", "dyn", "--context", "128", "--eval-tokens", "16", "--bits", "4",
+                 "--no-tract",
                  "--key-group", "8", "--value-group", "8", "--residual", "8", "--layers", "1"]) == 0
     out = capsys.readouterr().out
     assert "cache dyn" in out
@@ -391,7 +393,7 @@ def test_demo_default_runs_under_a_minute(capsys) -> None:
     import time
 
     t0 = time.perf_counter()
-    assert main(["demo"]) == 0
+    assert main(["demo", "--builtin"]) == 0
     assert time.perf_counter() - t0 < 60
     assert "kivi" in capsys.readouterr().out
 

@@ -88,7 +88,7 @@ class ConvertOptions:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``--scheme`` (the registered schemes) and every scheme's option flags (default: the scheme's)."""
     reg = _schemes.SCHEMES
-    parser.add_argument("--scheme", default=None, choices=list(reg),
+    parser.add_argument("--scheme", default=_schemes.DEFAULT_SCHEME, choices=list(reg), action=_Given,
                         help="; ".join(f"{s.name}: {s.summary}" for s in reg.values())
                         + f" (default {_schemes.DEFAULT_SCHEME}; a .gguf input without --scheme or a scheme flag "
                           "is imported only: its f32 archive, KV cache unchanged)")
@@ -124,10 +124,19 @@ def _default(s: _schemes.Scheme, name: str) -> Any:
 
 def from_arguments(args: argparse.Namespace) -> ConvertOptions:
     """The validated options of parsed :func:`add_arguments` flags."""
-    return ConvertOptions.of(args.scheme or _schemes.DEFAULT_SCHEME,
-                             **{s.name: getattr(args, s.name, None) for s in _schemes.all_options()})
+    return ConvertOptions.of(args.scheme, **{s.name: getattr(args, s.name, None) for s in _schemes.all_options()})
 
 
 def scheme_given(args: argparse.Namespace) -> bool:
     """Whether the command line chose a KV scheme: ``--scheme`` or any scheme's flag."""
-    return args.scheme is not None or any(getattr(args, s.name, None) is not None for s in _schemes.all_options())
+    return getattr(args, "scheme_given", False) or any(getattr(args, s.name, None) is not None
+                                                        for s in _schemes.all_options())
+
+
+class _Given(argparse.Action):
+    """Stores ``--scheme`` and records that it was given (``scheme_given``): a GGUF without it is imported only."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        setattr(namespace, self.dest, values)
+        namespace.scheme_given = True
