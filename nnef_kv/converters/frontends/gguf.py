@@ -199,6 +199,9 @@ def read_gguf(path: str | os.PathLike) -> GgufFile:
     if n_kv * MIN_KV_BYTES > room or n_tensors * MIN_TENSOR_BYTES > room:
         raise _fail(p, f"header claims {n_kv} metadata entries and {n_tensors} tensors, more than its "
                        f"{size} bytes can hold (truncated or corrupt)")
+    limits = current_limits()
+    if n_tensors > limits.max_members:
+        raise _fail(p, f"header claims {n_tensors} tensors, more than max_members ({limits.max_members})")
     meta: dict[str, Any] = {}
     for i in range(n_kv):
         key = c.string(f"metadata entry {i}'s key")
@@ -225,7 +228,6 @@ def read_gguf(path: str | os.PathLike) -> GgufFile:
     if not isinstance(align, int) or align <= 0 or align & (align - 1):
         raise _fail(p, f"metadata key 'general.alignment' = {align!r}: not a power of two")
     start = -(-c.pos // align) * align
-    limits = current_limits()
     tensors: dict[str, GgufTensor] = {}
     for name, code, dims, offset, nbytes in infos:
         if name in tensors:
