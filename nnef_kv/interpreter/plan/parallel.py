@@ -29,8 +29,10 @@ took 8.0 ms instead of 0.12 ms (743 ms a token instead of 74.5 ms). The claimed 
 waits on a worker that is not running. :func:`default_threads` (what ``Session(threads=None)`` and the
 CLI's default use) is the usable CPUs, capped at the two halves this splitter makes; a session left at
 that default also runs on one thread while other processes hold the second CPU (:class:`LoadWatch`:
-the load average less its own use), since the claimed helper then mostly comes late (measured on the
-VM at load average ~9: threads=2 0.68x of threads=1's tokens/s).
+the load average less its own use), since the claimed helper then mostly comes late: ``python
+benchmarks/scale.py`` at load average 12-17 from other work, every setting paired in one lockstep, took
+the helper's half back on 76 of 90 splits and threads=2 gave 0.96x of threads=1's tokens/s (0.68-0.71x
+in unpaired runs at load ~10), the default (on one thread there) 1.00x.
 """
 from __future__ import annotations
 
