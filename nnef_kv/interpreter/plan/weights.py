@@ -6,10 +6,10 @@ several constant weights (q/k/v, gate/up) become one product by the weights side
 ``[in, out]`` array; the pages of memory-mapped originals are then released, see
 :func:`nnef_kv.io.container.release_pages`).
 
-Measured (``python benchmarks/scale.py --products``, BLAS on one thread, 2-core VM): a one-row product by
-the transposed view takes the time of the contiguous copy's (1 x 576 x 1536: 124.6 vs 124.8 us;
-1 x 576 x 49152: 8.1 vs 9.0 ms), a 512-row one 0.99-1.41x (noisy), 2-8 rows about 1.6x (those are
-rare: a decode step has one row, a prefill hundreds)."""
+Measured (``python benchmarks/scale.py --rows products``, BLAS on one thread, best of N, 2-core VM at load
+average ~11): view / copy 1.02 (1 x 576 x 1536), 1.01 (1 x 1536 x 576), 1.17 (1 x 576 x 49152; 0.84-0.90
+in other runs), 1.42 (8 rows), 1.25 (64 rows), 1.00 and 1.01 (512 rows): a decode step has one row and a
+prefill hundreds; a few-row product is the slower case."""
 from __future__ import annotations
 
 from typing import Any, Callable
