@@ -10,7 +10,8 @@ anywhere on the line). Option values are checked before any work, so a refused c
 step; ``NAME@K`` is fed at step ``K`` only (0-based) and wins over ``NAME``. The number of steps is
 ``--steps`` or else ``1 + the largest K``. An explicit cache input (``in_cache_*``...) missing at a step is
 fed from the previous step's matching output (``out_cache_*``), empty at step 0. Keys named like a
-graph *output* are taken as expected values: the max |difference| is printed next to the stats.
+graph *output* are taken as expected values: the max |difference| is printed next to the stats; with
+``--assert [TOL]`` (as tract's ``--assert-output-bundle``) a difference over TOL (default 1e-4) exits 1.
 With ``-o out.npz`` the outputs are saved under the same convention (``NAME`` for one step, else
 ``NAME@K``).
 """
