@@ -179,7 +179,7 @@ def test_teacher_forced_predictions_equal_one_token_calls(text_ref, source) -> N
 
 
 def test_kl_grows_as_bits_fall_and_every_context_reads_quantized(text_ref, source) -> None:
-    opts = ValidateOptions(contexts=[96, 300], eval_tokens=32, parity=False)
+    opts = ValidateOptions(contexts=[96, 300], eval_tokens=32, windows=2, parity=False)
     reps = {b: validate_model(_kivi(text_ref, b), text_ref, source, opts) for b in (8, 4, 2)}
     for rep in reps.values():
         assert rep.verdict == "measured" and rep.ok, [c.to_dict() for c in rep.checks]
@@ -305,7 +305,7 @@ def test_shared_fixture_decoders_at_8_4_2_bits(name, source) -> None:
     """The shared torch-to-nnef decoders (no tokenizer of their own: the byte-level one, ids < 320),
     converted with a residual small enough that most tokens are quantized."""
     ref = nnef_kv.load(FIXTURES / name / "model.nnef.tgz")
-    opts = ValidateOptions(contexts=[200], eval_tokens=32, parity=False)
+    opts = ValidateOptions(contexts=[200], eval_tokens=32, windows=2, parity=False)
     kl = []
     for bits in (8, 4, 2):
         rep = validate_model(_kivi(ref, bits, key_group=16, value_group=16, residual=16), ref, source, opts)
@@ -344,7 +344,7 @@ def test_export_with_its_own_tokenizer_through_the_api(tmp_path) -> None:
         out = tmp_path / f"k{bits}.nnef.tgz"
         nnef_kv.save(convert(ref, bits=bits)[0], out)
         rep = nnef_kv.validate(out, folder / "model.nnef.tgz", text=text, tokenizer=folder / "tokenizer.json",
-                               eval_tokens=32, parity=False)
+                               eval_tokens=32, windows=2, parity=False)
         (res,) = rep.contexts
         assert res.context == 256 - 32 and rep.verdict == "measured"  # S+P < 256: 224 + 32 - 1 = 255 positions
         s = res.summary()
