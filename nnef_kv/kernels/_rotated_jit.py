@@ -137,7 +137,7 @@ def _values_stream(w, codes, cb, bits, d, out):
 
 
 def _args(codes, cb, bits, d):
-    codes = np.ascontiguousarray(codes, np.uint8)
+    codes = np.asarray(codes, np.uint8)  # a view of the cache's buffer (rows strided by its capacity): not copied
     return codes, np.ascontiguousarray(cb, np.float32), int(bits), int(d)
 
 

@@ -306,7 +306,7 @@ class RotatedSdpa(BufferCheckpoint):
         q2 = q.reshape(n, m, d)
         parts_s = []
         if tq:
-            qr = rotate(q2, self.rot)
+            qr = np.matmul(q2, self.rot)  # the query rotated once (BLAS: it is not stored)
             kn = f16_to_f32(knorm)
             scores_fn = RA.code_scores if m <= KERNEL_ROWS else RA.code_scores.reference
             s_q = scores_fn(qr, kcodes, kn, kpart.cb, kpart.bits, d)
@@ -326,10 +326,10 @@ class RotatedSdpa(BufferCheckpoint):
         if fkeep is not None and fk.shape[1]:
             keep_f = np.tile(fkeep, (g, 1))
             s_f[:, ~keep_f] = -np.inf
-        s = np.concatenate(parts_s + [s_f], axis=2)
+        s = np.concatenate(parts_s + [s_f], axis=2) if fk.shape[1] or not parts_s else parts_s[0]
         mx = s.max(axis=2, keepdims=True) if s.shape[2] else np.zeros((n, m, 1), np.float32)
         mx = np.where(np.isneginf(mx), np.float32(0), mx)
-        p = np.exp(s - mx)
+        p = np.exp(np.subtract(s, mx, out=s), out=s)  # s is this call's own array
         den = p.sum(axis=2, keepdims=True)
         out = np.zeros((n, m, d), np.float32)
         if tq:
