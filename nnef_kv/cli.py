@@ -24,10 +24,11 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from .cli_threads import THREADED_COMMANDS, add_threads_option, threads_of  # noqa: F401 (re-exported)
 from .cli_io import CliError, existing_path as _existing_path, int_at_least as _int_at_least  # noqa: F401
 from .cli_run import ASSERT_TOLERANCE, cmd_run  # the run command (nnef_kv/cli_run.py)
 from .cli_io import output_folder, output_model, parse_contexts as _parse_contexts, parse_ids as _parse_ids
@@ -548,39 +549,8 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--report-dir", help="write one validation report per model into this folder")
     sp.add_argument("--save-dir", help="keep the f32 and converted archives in this folder")
     add_commands(sub, COMMANDS)  # compare, convert --auto-bits (nnef_kv/cli_compare.py)
-    for name in THREADED_COMMANDS:
-        sub.choices[name].add_argument(
-            "--threads", type=int, default=None, metavar="N",
-            help="threads of each session: 1 = everything on the calling thread, 2 = large weight products split "
-                 "in two column halves (BLAS itself stays on one thread either way); default: the usable CPUs, at "
-                 "most 2 (also read from $NNEF_KV_THREADS; worker processes inherit it)")
+    add_threads_option(sub)  # --threads on the commands running sessions (nnef_kv/cli_threads.py)
     return p
-
-
-#: the commands taking ``--threads`` (the sessions' threads, see nnef_kv/interpreter/plan/parallel.py)
-THREADED_COMMANDS = ("run", "generate", "validate", "compare", "demo")
-
-
-@contextlib.contextmanager
-def _threads_of(args: argparse.Namespace) -> Iterator[None]:
-    """``--threads N``: every session of the command (and of its worker processes) runs on N threads; the
-    environment is put back afterwards (``main`` called in-process)."""
-    n = getattr(args, "threads", None)
-    if n is None:
-        yield
-        return
-    from .interpreter.plan.parallel import THREADS_ENV
-
-    _int_at_least("--threads", n, 1)
-    saved = os.environ.get(THREADS_ENV)
-    os.environ[THREADS_ENV] = str(n)
-    try:
-        yield
-    finally:
-        if saved is None:
-            os.environ.pop(THREADS_ENV, None)
-        else:
-            os.environ[THREADS_ENV] = saved
 
 
 _LIMIT_FLAGS = ("max_archive_bytes", "max_tensor_bytes", "max_members", "max_nesting")
@@ -619,7 +589,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from . import kernels
 
         kernels.on_compile = _note_compiling  # the first KIVI run on a machine says why it waits
-        with using_limits(limits), _threads_of(args):
+        with using_limits(limits), threads_of(args):
             return COMMANDS[args.command](args)
     except KeyboardInterrupt:
         print("nnef-kv: interrupted", file=sys.stderr)

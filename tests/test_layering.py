@@ -39,7 +39,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv.converters.frontends",),
     ("nnef_kv.converters",),
     ("nnef_kv.validate",),
-    ("nnef_kv.cli", "nnef_kv.cli_io", "nnef_kv.cli_run", "nnef_kv.cli_words", "nnef_kv.cli_compare", "nnef_kv.__main__"),
+    ("nnef_kv.cli", "nnef_kv.cli_io", "nnef_kv.cli_run", "nnef_kv.cli_words", "nnef_kv.cli_compare",
+     "nnef_kv.cli_threads", "nnef_kv.__main__"),
     ("nnef_kv",),
 ]
 

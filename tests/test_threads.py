@@ -101,6 +101,7 @@ def test_default_threads_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_threads_option(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from nnef_kv import cli
+    from nnef_kv.cli_threads import THREADED_COMMANDS
 
     monkeypatch.delenv(parallel.THREADS_ENV, raising=False)
     text = TEXT.format(k=8, n=4).replace("[1, S, 8]", "[1, 2, 8]")
@@ -122,7 +123,7 @@ def test_cli_threads_option(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: p
     capsys.readouterr()
     assert cli.main(["run", str(folder), "--inputs", str(npz), "--threads", "0"]) == 2
     assert "--threads 0: must be an integer >= 1" in capsys.readouterr().err
-    for command in cli.THREADED_COMMANDS:
+    for command in THREADED_COMMANDS:
         with pytest.raises(SystemExit):
             cli.build_parser().parse_args([command, "--help"])
         assert "--threads N" in capsys.readouterr().out
