@@ -9,8 +9,8 @@ default; ``dyn``: the same spelling with session caches and ``tract_transformers
 
 **Time** (default): one prompt of ``--tokens`` tokens (512) prefilled from empty caches, by nnef-kv with
 ``Session(threads=1)`` and ``Session(threads=2)`` (the session holds BLAS at one thread and splits large
-products itself, see ``nnef_kv/interpreter/plan/parallel.py``) and by tract 0.23.9 (its Python binding
-runs on one thread) through ``nnef_kv/tract_driver.py``, side by side in one process: ``--rounds`` rounds,
+products itself, see ``nnef_kv/interpreter/plan/parallel.py``) and by tract 0.23.9 with its defaults
+(``nnef_kv/tract_driver.py`` sets no thread count), side by side in one process: ``--rounds`` rounds,
 each engine once a round, the order rotating. Printed per engine: best and median wall time, median CPU
 time of the process (``time.process_time``: on a shared machine the CPU figures move less than the wall
 ones), tract's time over the engine's (> 1: nnef-kv faster), and whether the last position's logits agree.
@@ -30,6 +30,25 @@ with ``time.process_time``), ``threads=1``.
     python benchmarks/prefill.py --quick              # 4 layers, 128 tokens: a smoke test
 
 ``--keep DIR`` writes the archive there (and reuses it on the next run) instead of a temporary folder.
+
+Measured on the 2-core VM while other sessions loaded it heavily (load average 8-17), 2026-12-02, after
+the blocked attention of ``nnef_kv/kv/blocked.py`` (512 tokens; median wall / median CPU seconds;
+tract's time over nnef-kv's in CPU time):
+
+====================  ======================  ======================  ===============  =================
+form (command)        nnef-kv threads=1       nnef-kv threads=2       tract 0.23.9     tract/nnef-kv cpu
+====================  ======================  ======================  ===============  =================
+explicit (default)    5.47 / 1.71             6.25 / 1.69             9.29 / 2.42      1.41 / 1.43
+``--form tract``      5.57 / 1.74             8.89 / 1.53             9.52 / 3.00      1.73 / 1.97
+``--form dyn``        6.15 / 1.63             7.19 / 1.75             9.91 / 2.66      1.64 / 1.52
+====================  ======================  ======================  ===============  =================
+
+Wall times at that load mostly measure the scheduler (tract's 9.3 s wall is 2.4 s of CPU); the CPU ratios
+are the figures to read. Logits agree with tract's to <= 1.1e-4 relative, same argmax, in every row.
+``--memory 8192 --engines nnef-kv`` (explicit form): RSS after load 345 MiB, peak during the 8192-token
+prefill 1729 MiB (934 s wall at load 11-17); without the blocks one attention's scores alone would be
+9 x 8192 x 8192 x 4 B = 2.25 GiB (not run). tract's 8192-token peak was not measured (the machine was
+too loaded for a second run of that length).
 """
 from __future__ import annotations
 
