@@ -350,11 +350,16 @@ def test_truncated_tgz(tmp_path):
         load(tmp_path / "t.tgz")
 
 
-def test_folder_symlinks_are_refused(tmp_path):
+def test_folder_symlinks_to_files_are_followed_and_others_refused(tmp_path):
+    """Issue 23.7: a local model folder whose members link to regular files (the HF hub cache layout) loads;
+    a link to anything else is refused, naming the member."""
     d = tmp_path / "m"
     save(simple_model(), d)
     os.symlink(d / "w.dat", d / "v.dat")
-    with pytest.raises(ArchiveError, match="symbolic link"):
+    assert load(d) is not None
+    os.unlink(d / "v.dat")
+    os.symlink(tmp_path, d / "v.dat")
+    with pytest.raises(ArchiveError, match="v.dat"):
         load(d)
 
 

@@ -67,7 +67,8 @@ def test_unknown_scheme_is_one_line_listing_the_choices(name):
     with pytest.raises(ConversionError) as exc:
         S.scheme(name)
     msg = str(exc.value)
-    assert "\n" not in msg and msg == f"option scheme={name!r}: expected one of kivi, tract, tract-cache, ggml, hf, rotated"
+    assert "\n" not in msg
+    assert msg == f"option scheme={name!r}: expected one of kivi, tract, tract-cache, ggml, hf, rotated"
 
 
 def test_schemes_module_imports_no_converter():
