@@ -167,7 +167,9 @@ def test_cli_scheme_choices_and_flags_come_from_the_registry():
     assert flags["--scheme"].choices == list(S.SCHEMES)
     assert flags["--scheme"].default == S.DEFAULT_SCHEME
     for spec in S.all_options():
-        assert flags[spec.flag].dest == spec.name and flags[spec.flag].type is spec.type
+        f = flags[spec.flag]
+        # a bool option is a bare flag (--rotate): argparse's store_const has no type
+        assert f.dest == spec.name and (f.type is spec.type or (spec.type is bool and f.const is True))
     assert {"--bits", "--key-group", "--value-group", "--residual", "--sinks"} <= set(flags)
     help_text = flags["--scheme"].help
     assert all(f"{s.name}: {s.summary}" in help_text for s in S.SCHEMES.values())
@@ -175,7 +177,7 @@ def test_cli_scheme_choices_and_flags_come_from_the_registry():
 
 def test_cli_prints_the_schemes_bits(f32, tmp_path, capsys):
     assert main(["convert", str(f32), "-o", str(tmp_path / "t.nnef.tar"), "--scheme", "tract"]) == 0
-    assert "with scheme tract, 8 (fixed) bits ->" in capsys.readouterr().out
+    assert "with scheme tract, 8 bits (fixed) ->" in capsys.readouterr().out
     out = tmp_path / "c.nnef.tar"
     assert main(["convert", str(f32), "-o", str(out), "--scheme", "tract-cache", "--bits", "8"]) == 0
     assert "with scheme tract-cache, 8 bits ->" in capsys.readouterr().out

@@ -143,7 +143,9 @@ def test_default_threads_step_back_to_one_while_other_processes_hold_the_cpus(mo
     monkeypatch.setattr(parallel.os, "getloadavg", lambda: (load[0], load[0], load[0]))
     before = _splits()
     auto.run({"x": x})  # others hold the second CPU: one thread
-    assert _splits() == before and watch.others > 2.0
+    # others = load - this process's own busy threads, which building the model may have kept near 2: what must
+    # hold is that the estimate is past the step-back threshold (cpus - 2 + 0.5)
+    assert _splits() == before and watch.others >= 0.5
     forced.run({"x": x})  # an explicit threads=2 is what the user asked for
     assert _splits() == before + 1
     load[0] = 0.0
