@@ -220,15 +220,18 @@ def _dim(out: _Writer, x: str, axis: int, name: str) -> str:
     return out(name, f"squeeze({sl}, axes = [0])")
 
 
-def _rmsnorm(out: _Writer, x: str, label: str, prefix: str, cfg: DecoderConfig) -> str:
+def _rmsnorm(out: _Writer, x: str, label: str, prefix: str, cfg: DecoderConfig, axis: int = 2,
+             result: str | None = None) -> str:
+    """RMSNorm over ``axis``: the hidden axis of ``[1, S, hidden]`` (default) or, ``axis=3``, each head of
+    ``[1, n, S, D]`` (Qwen3's q_norm / k_norm). ``result``: the output's name (default ``{prefix}_out``)."""
     sq = out(f"{prefix}_pow", f"sqr({x})")
-    mean = out(f"{prefix}_variance", f"mean_reduce({sq}, axes = [2])")
+    mean = out(f"{prefix}_variance", f"mean_reduce({sq}, axes = [{axis}])")
     add = out(f"{prefix}_add", f"add({mean}, {float(cfg.eps)!r})")
     rs = out(f"{prefix}_rsqrt", f"rsqrt({add})")
     normed = out(f"{prefix}_normed", f"mul({x}, {rs})")
-    wv = _var(out, f"{prefix}_weight", label, (cfg.hidden,))
-    we = out(f"{prefix}_weight_expanded", f"unsqueeze({wv}, axes = [0, 1])")
-    return out(f"{prefix}_out", f"mul({we}, {normed})")
+    wv = _var(out, f"{prefix}_weight", label, (cfg.hidden if axis == 2 else cfg.head_dim,))
+    we = out(f"{prefix}_weight_expanded", f"unsqueeze({wv}, axes = [{', '.join(map(str, range(axis)))}])")
+    return out(result or f"{prefix}_out", f"mul({we}, {normed})")
 
 
 def _linear(out: _Writer, x: str, label: str, shape: tuple[int, int], name: str, bias: str | None = None,
@@ -242,18 +245,6 @@ def _linear(out: _Writer, x: str, label: str, shape: tuple[int, int], name: str,
     bv = _var(out, f"{name}_bias", bias, (shape[0],))
     be = out(f"{name}_bias_expanded", f"unsqueeze({bv}, axes = [0, 1])")
     return out(name, f"add({lin}, {be})")
-
-
-def _head_norm(out: _Writer, x: str, label: str, cfg: DecoderConfig, name: str) -> str:
-    """RMSNorm of each head of ``[1, n, S, D]`` over D (Qwen3's q_norm / k_norm)."""
-    sq = out(f"{name}_pow", f"sqr({x})")
-    mean = out(f"{name}_variance", f"mean_reduce({sq}, axes = [3])")
-    add = out(f"{name}_add", f"add({mean}, {float(cfg.eps)!r})")
-    rs = out(f"{name}_rsqrt", f"rsqrt({add})")
-    normed = out(f"{name}_normed", f"mul({x}, {rs})")
-    wv = _var(out, f"{name}_weight", label, (cfg.head_dim,))
-    we = out(f"{name}_weight_expanded", f"unsqueeze({wv}, axes = [0, 1, 2])")
-    return out(name, f"mul({we}, {normed})")
 
 
 def _rope(out: _Writer, x: str, cos: str, sin: str, cfg: DecoderConfig, name: str) -> str:
@@ -357,8 +348,8 @@ def build_decoder_text(cfg: DecoderConfig, storage: dict[str, str] | None = None
         kh = _heads(out, k, hkv, cfg, seq, f"{p}_k")
         vh = _heads(out, v, hkv, cfg, seq, f"{p}_v")
         if cfg.qk_norm:
-            qh = _head_norm(out, qh, lab + "self_attn.q_norm.weight", cfg, f"{p}_q_norm")
-            kh = _head_norm(out, kh, lab + "self_attn.k_norm.weight", cfg, f"{p}_k_norm")
+            qh = _rmsnorm(out, qh, lab + "self_attn.q_norm.weight", f"{p}_q_norm", cfg, 3, f"{p}_q_norm")
+            kh = _rmsnorm(out, kh, lab + "self_attn.k_norm.weight", f"{p}_k_norm", cfg, 3, f"{p}_k_norm")
         if explicit:
             vc = out(f"out_cache_value_{l}", f"concat([in_cache_value_{l}, {vh}], axis = 2)")
         else:
