@@ -115,6 +115,17 @@ def test_round_trip_ok(f32_model) -> None:
     assert r.tensors == len(f32_model.tensors) and r.written_bytes > 0
 
 
+def test_round_trip_hashes_the_second_write_as_save_writes_it(f32_model, tmp_path) -> None:
+    """The second write is hashed as it is made (never put on disk): the hash of the file save writes."""
+    import hashlib
+
+    from nnef_kv.validate.roundtrip import _tar_sha256
+
+    path = nnef_kv.save(f32_model, tmp_path / "m.nnef.tar")
+    assert _tar_sha256(f32_model) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert check_round_trip(f32_model).sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+
+
 def test_round_trip_reports_what_does_not_survive(f32_model, monkeypatch) -> None:
     """A reader that changes one tensor value and drops another: the check names both."""
     import nnef_kv.io.archive as archive
@@ -136,6 +147,9 @@ def test_round_trip_reports_what_does_not_survive(f32_model, monkeypatch) -> Non
     assert not r.ok
     assert any("lm_head.weight" in p and "differs" in p for p in r.problems)
     assert any("model.norm.weight" in p and "missing" in p for p in r.problems)
+    # the second write (of what was read back) differs, member by member: the changed and the dropped tensor
+    assert any(p.startswith("second write differs") and "lm_head.weight.dat" in p and "model.norm.weight.dat" in p
+               for p in r.problems), r.problems
 
 
 # -- validation on text -------------------------------------------------------------------------------
