@@ -164,9 +164,14 @@ def _validate(model, ref, eval_tokens: int, **kw):
 
 @requires_tract
 def test_parity_with_the_flip_term_passes_tract_and_fails_wrong_quantizers(monkeypatch) -> None:
-    """trained_llama, tract-cache:8, context 128: nnef-kv and tract differ by more than the f32 tolerance
-    (the issue's failure), within it plus the derived flip term; a quantizer off by one level, or with 3
-    sink tokens instead of 4, is a mismatch under the same derivation, and compare says "no"."""
+    """trained_llama, tract-cache:8, context 128: nnef-kv and tract agree within the f32 tolerance plus the
+    derived flip term, a term larger than the f32 tolerance (one code flipped at a rounding boundary moves
+    the logits more than summation order does); a quantizer off by one level, or with 3 sink tokens instead
+    of 4, is a mismatch under the same derivation, and compare says "no".
+
+    Whether tract's own run lands beyond the f32 tolerance depends on the BLAS kernels of the CPU (which
+    codes the engines' ~6e-6 K/V noise happens to flip): 0.0158 on issue 23's machine, 3.4e-5 on an AMD
+    EPYC with OpenBLAS 0.3.31's Haswell kernels; so it is not asserted."""
     from nnef_kv.converters import convert
     from nnef_kv.validate.compare import CompareOptions, _tract_of
 
@@ -175,10 +180,10 @@ def test_parity_with_the_flip_term_passes_tract_and_fails_wrong_quantizers(monke
     p = _validate(model, ref, 128).parity
     scale = p.max_abs / p.max_rel
     f32 = 1e-4 + 1e-3 * scale
-    assert p.status == "ok" and p.max_abs > f32, p  # the f32 tolerance alone fails tract's own numbers
+    assert p.status == "ok", p
     assert p.atol > 1e-4 and "quantized-cache term" in p.reason and "boundary codes flipped" in p.reason, p
     term = p.atol - 1e-4
-    assert p.max_abs <= f32 + term
+    assert term > f32 and p.max_abs <= f32 + term  # the f32 tolerance alone would not cover a flipped code
     assert _tract_of(type("R", (), {"parity": p})(), model, CompareOptions())[0] is True
 
     orig = TractQuantizedDynKvCache.__init__
