@@ -219,3 +219,15 @@ def test_compare_never_shows_a_mismatch_as_yes() -> None:
                                                 max_abs=13.0, atol=1e-4, rtol=1e-3)})()
     ok, detail = _tract_of(rep, None, CompareOptions())
     assert ok is False and "13" in detail
+
+
+@requires_tract
+def test_parity_tokens_limit_what_tract_runs() -> None:
+    """``parity_tokens``: tract (and the flip term's runs) cover the first window's first N predictions only;
+    the f32 archive agrees there as on the whole window."""
+    ref = nnef_kv.load(TRAINED)
+    p = _validate(ref, ref, 64, parity_tokens=16).parity
+    assert p.status == "ok" and p.calls == 16, p
+    assert _validate(ref, ref, 64).parity.calls == 64
+    with pytest.raises(nnef_kv.InputError, match="parity_tokens 0: must be an integer >= 1"):
+        ValidateOptions(parity_tokens=0).check()

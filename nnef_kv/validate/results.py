@@ -47,6 +47,7 @@ class ValidateOptions:
     max_ppl_ratio: float | None = None
     max_attention_deviation: float | None = None
     parity: bool = True
+    parity_tokens: int | None = None  # predictions compared with tract (None: the first window's, all of them)
     parity_atol: float | None = None  # None: from the archive's dtype (f32 1e-4, f16 1e-3)
     parity_rtol: float | None = None  # of the largest |logit| (f32 1e-3, f16 2e-2)
     round_trip: bool = True
@@ -59,7 +60,7 @@ class ValidateOptions:
         def label(k: str) -> str:
             return nm.get(k, k)
 
-        for k in ("eval_tokens", "chunk", "windows"):
+        for k in ("eval_tokens", "chunk", "windows", "parity_tokens"):
             v = getattr(self, k)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < 1):
                 raise InputError(f"{label(k)} {v}: must be an integer >= 1")

@@ -314,7 +314,8 @@ def _kv_op_settings(dec: InterpreterDecoder) -> list[dict[str, Any]]:
 
 
 def _parity_tolerance(options: ValidateOptions, dtype: str,
-                      probe: tuple[Any, Sequence[int], ContextResult] | None = None) -> tuple[float, float, str]:
+                      probe: tuple[Any, Sequence[int], ContextResult] | None = None,
+                      n: int | None = None) -> tuple[float, float, str]:
     """``(atol, rtol, note)``: the f32 tolerance (or the user's), plus, given ``probe = (model, ids, res)``
     of an archive holding tract's quantized KV ops, the logit movement of every code that the measured
     K/V noise against tract could flip at a rounding boundary (:mod:`nnef_kv.validate.parity`)."""
@@ -330,8 +331,9 @@ def _parity_tolerance(options: ValidateOptions, dtype: str,
         return atol, rtol, ""
     flip_dec = InterpreterDecoder(model)
     window = res.starts[:1]
-    got = flip_bound(model, flip_dec, ids, res.context, res.eval_tokens, res.chunk, window[0],
-                     lambda d: _measure(d, ids, res.context, res.eval_tokens, res.chunk, None, window).logits,
+    n = res.eval_tokens if n is None else n  # the predictions compared with tract
+    got = flip_bound(model, flip_dec, ids, res.context, n, res.chunk, window[0],
+                     lambda d: _measure(d, ids, res.context, n, res.chunk, None, window).logits,
                      res.archive.logits)
     return atol + got.logits, rtol, got.text()
 
@@ -341,6 +343,7 @@ def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: C
                  on_call: Callable[[], None] | None = None) -> ParityResult:
     """tract on the same teacher-forced tokens as ``res`` (prefill, then one-token calls), logits compared."""
     atol, rtol, _ = _parity_tolerance(options, res.archive.logits_dtype)
+    n = min(res.eval_tokens, options.parity_tokens or res.eval_tokens)
     if not tract_available():
         return ParityResult("skipped", "the tract Python package is not installed", atol=atol, rtol=rtol)
     own = sorted({n.op for n in dec.session.plan.step_nodes if n.op.startswith("nnef_kv_")})
@@ -354,7 +357,7 @@ def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: C
         # (a converted model keeps its source's path: never trust ``model.source``)
         t = TractDecoder(path if path and os.path.exists(path) else model, dec.sig)
         t0 = time.perf_counter()
-        m = _measure(t, ids, res.context, res.eval_tokens, res.chunk, on_call, res.starts[:1])  # the first window
+        m = _measure(t, ids, res.context, n, res.chunk, on_call, res.starts[:1])  # the first window
         return m.logits, time.perf_counter() - t0
 
     try:
@@ -368,7 +371,7 @@ def tract_parity(model: Any, dec: InterpreterDecoder, ids: Sequence[int], res: C
         msg = " / ".join(ln.strip() for ln in text.splitlines() if ln.strip() and ln.strip() != "Caused by:")
         return ParityResult("error", f"tract failed to load or run this archive: {msg or type(exc).__name__}",
                             atol=atol, rtol=rtol)
-    atol, rtol, note = _parity_tolerance(options, res.archive.logits_dtype, (model, ids, res))
+    atol, rtol, note = _parity_tolerance(options, res.archive.logits_dtype, (model, ids, res), n)
     ours = res.archive.logits[:len(theirs)]
     diff = np.abs(ours.astype(np.float64) - theirs.astype(np.float64))
     scale = float(np.max(np.abs(theirs))) or 1.0
@@ -391,17 +394,18 @@ def _decoder(model: Any, capture: bool, what: str) -> InterpreterDecoder:
 def validate_model(model: Any, reference: Any | None = None, source: Any = None,
                    options: ValidateOptions | None = None, progress: Callable[[], None] | None = None,
                    path: str | None = None, reference_runs: dict[int, Measurement] | None = None,
-                   names: dict[str, str] | None = None) -> ValidationReport:
+                   names: dict[str, str] | None = None, label: str | None = None) -> ValidationReport:
     """Validate ``model`` (an :class:`nnef_kv.Model`) on the tokens of ``source`` (a
     :class:`~nnef_kv.text.TokenSource`) against ``reference`` (the f32 model it was converted from).
 
     ``path``: an archive file holding ``model`` unchanged (for tract; else a temporary copy is written).
     ``reference_runs``: context -> reference :class:`Measurement`, reused and filled (several archives
-    against one reference, as ``demo`` does). ``names``: option names for error messages (the CLI's)."""
+    against one reference, as ``demo`` does). ``names``: option names for error messages (the CLI's).
+    ``label``: what the report calls the model (default: ``path``, else the model's source)."""
     o = (options or ValidateOptions()).check(names)
     if source is None:
         raise InputError("validate: no tokens given (text, prompt or ids)")
-    label = str(path or getattr(model, "source", None) or "<in memory>")
+    label = label or str(path or getattr(model, "source", None) or "<in memory>")
     rep = ValidationReport(
         archive=label,
         options=o,
