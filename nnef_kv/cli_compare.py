@@ -163,7 +163,7 @@ def add_commands(sub: Any, commands: dict[str, Callable[[argparse.Namespace], in
 
 # ---------------------------------------------------------------------------------------------- auto-bits
 _AUTO_ONLY = ("max_kl", "match_uniform_kl", "text", "ids", "tokenizer", "context", "eval_tokens", "jobs", "ray",
-              "report_dir", "windows", "windows_seed")
+              "report_dir", "windows", "windows_seed", "ladder", "layer_groups")
 
 
 def _add_auto_bits(sp: argparse.ArgumentParser) -> None:
@@ -183,6 +183,11 @@ def _add_auto_bits(sp: argparse.ArgumentParser) -> None:
     g.add_argument("--windows", type=int, help="disjoint windows of the text: the first half (rounded up) chosen on, "
                                                "the rest held out (default: 4, or as many as the text holds; >= 2)")
     g.add_argument("--windows-seed", type=int, help="0 (default): windows spread evenly; another: placed at random")
+    g.add_argument("--ladder", help="the levels searched, comma-separated, a subset of the scheme's (default: all: "
+                                    "kivi 2,3,4,5,6,8; ggml q4_0,iq4_nl,q4_1,q5_0,q5_1,q8_0; ...)")
+    g.add_argument("--layer-groups", type=int, help="units of consecutive layers sharing a setting (default: one "
+                                                    "layer a unit up to 8 layers, else 8 groups; each unit costs "
+                                                    "a run per lower level)")
     g.add_argument("--report-dir", help="write report.md and report.json of the choice here (default: beside the "
                                         "output, OUTPUT.auto-bits.md / .json)")
     _add_runner(g)
@@ -194,7 +199,7 @@ def cmd_auto_bits(args: argparse.Namespace) -> int:
     from .converters.options import from_arguments
     from .io.archive import save
     from .progress import progress_enabled
-    from .validate.autobits import auto_bits
+    from .validate.autobits import auto_bits, pick_ladder, scheme_ladder
     from .validate.autobits_report import render_json, render_markdown, render_text
     from .validate.compare import CompareOptions
 
@@ -223,13 +228,18 @@ def cmd_auto_bits(args: argparse.Namespace) -> int:
     jobs = _positive(args.jobs, "--jobs")
     if args.ray is not None and jobs is not None:
         raise InputError("--jobs and --ray: give one")
-    source = _source(args, src)
-    model = frontends.load(src)
     scheme = opts.scheme
     values = {k: v for k, v in opts.values().items() if k in opts.scheme_object.option_names}
+    ladder = None if args.ladder is None else [x for x in args.ladder.split(",") if x.strip()]
+    if ladder is not None:  # refused before any work
+        pick_ladder(scheme, scheme_ladder(scheme, values)[0], ladder)
+    source = _source(args, src)
+    model = frontends.load(src)
     res = auto_bits(model, source, scheme, values, float(args.max_kl), copts, str(src), jobs=jobs, ray=args.ray,
                     names=_NAMES, show_progress=progress_enabled(),
-                    match_uniform=bool(args.match_uniform_kl))
+                    match_uniform=bool(args.match_uniform_kl),
+                    ladder=ladder,
+                    groups=_positive(args.layer_groups, "--layer-groups"))
     print(render_text(res))
     md, js = render_markdown(res).encode(), render_json(res).encode()
     if res.chosen is None:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 from nnef_kv.cli import main
-from nnef_kv.validate.autobits import (LADDERS, AutoBitsResult, Candidate, _next_levels, _refine, _refine_all, _setting,
-                                      _units, knapsack)
+from nnef_kv.validate.autobits import (LADDERS, AutoBitsResult, Candidate, _levels, _next_levels, _refine, _refine_all,
+                                      _setting, _unit_bytes, _units, knapsack, layer_groups, pick_ladder)
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAINED = ROOT / "tests" / "fixtures" / "trained_llama" / "model.nnef.tgz"
@@ -154,6 +154,10 @@ def test_a_mean_within_the_budget_is_not_enough():
     (["--auto-bits", "--max-kl", "0.1", "--context", "100,200"], "--auto-bits chooses for one context"),
     (["--max-kl", "0.1"], "--max-kl: only with --auto-bits"),
     (["--auto-bits", "--max-kl", "0.1", "--jobs", "1", "--ray", "auto"], "--jobs and --ray: give one"),
+    (["--auto-bits", "--max-kl", "0.1", "--ladder", "3,7"], "--ladder 3,7: 7 is not a level of scheme kivi"),
+    (["--auto-bits", "--max-kl", "0.1", "--ladder", "4,4"], "--ladder 4,4: two levels at least"),
+    (["--auto-bits", "--max-kl", "0.1", "--layer-groups", "0"], "--layer-groups"),
+    (["--ladder", "2,4"], "--ladder: only with --auto-bits"),
 ])
 def test_auto_bits_refusals_write_nothing(tmp_path, capsys, args, msg):
     out = tmp_path / "never.nnef.tgz"
@@ -304,3 +308,40 @@ def test_refinement_also_descends_from_the_uniform_setting():
         assert steps == 1 and first.kv_bytes < origin.kv_bytes
         best = min([c for c in res.rounds + res.uniform if c.kl <= target], key=lambda c: (c.kv_bytes, c.kl))
         assert best.kv_bytes <= min(uniform.kv_bytes, found.kv_bytes if found.kl <= target else math.inf)
+
+
+def test_layer_groups_cut_consecutive_layers_evenly():
+    assert layer_groups(30, 6) == [range(i, i + 5) for i in range(0, 30, 5)]
+    assert [len(g) for g in layer_groups(30, None)] == [4, 4, 4, 4, 4, 4, 3, 3]  # 8 at most by default
+    assert layer_groups(4, None) == [range(0, 1), range(1, 2), range(2, 3), range(3, 4)]
+    assert layer_groups(3, 10) == [range(0, 1), range(1, 2), range(2, 3)]  # never more groups than layers
+    for n, k in itertools.product(range(1, 20), range(1, 9)):
+        gs = layer_groups(n, k)
+        assert [i for g in gs for i in g] == list(range(n)) and max(map(len, gs)) - min(map(len, gs)) <= 1
+
+
+def test_grouped_units_expand_to_every_layer_and_sum_their_bytes():
+    """A unit of a group sets all its layers; its bytes are its layers' sum, read back per group."""
+    groups = layer_groups(5, 2)  # layers 0-2, 3-4
+    units = _units(groups, True)
+    assert units == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    setting = _setting({(0, 0): 2, (0, 1): 4, (1, 0): 8, (1, 1): 3}, groups, True)
+    assert setting == [(2, 4)] * 3 + [(8, 3)] * 2
+    assert _levels(setting, groups, True) == {(0, 0): 2, (0, 1): 4, (1, 0): 8, (1, 1): 3}
+
+    class _Ops:
+        def __init__(self, per_layer):
+            self.per_context = [{"kv_ops": [o for k, v in per_layer for o in
+                                            ({"op": "x", "node": "key", "bytes": k}, {"op": "x", "node": "value",
+                                                                                      "bytes": v})]}]
+            self.status, self.reason = "measured", ""
+
+    uniform = {(lv, lv): Candidate(f"uniform {lv}", [(lv, lv)] * 5, _Ops([(lv * (i + 1), lv) for i in range(5)]))
+               for lv in (2, 4)}
+    ub = _unit_bytes(uniform, (2, 4), 5, True, groups)
+    assert ub[(0, 0, 2)] == 2 * (1 + 2 + 3) and ub[(1, 0, 4)] == 4 * (4 + 5) and ub[(1, 1, 2)] == 2 * 2
+
+
+def test_ladder_is_a_subset_in_the_schemes_order():
+    assert pick_ladder("kivi", LADDERS["kivi"], ["8", "3", "4"]) == (3, 4, 8)
+    assert pick_ladder("ggml", LADDERS["ggml"], ["Q8_0", "q4_0"]) == ("q4_0", "q8_0")

@@ -6,8 +6,11 @@ Method (every figure is measured by ``validate``'s machinery on the user's text,
    8 bits; ggml q4_0, iq4_nl, q4_1, q5_0, q5_1, q8_0 (q4_0 and iq4_nl take the same bytes: a unit may take
    either, one is often better for keys, the other for values); hf 2, 4 (quanto) or 1, 2, 3, 4, 8 (HQQ);
    tract-cache 4, 8).
-   A *unit* is one layer's keys or one layer's values (one layer when the scheme has one width for both:
-   hf).
+   ``--ladder`` keeps a subset of it. A *unit* is one group of consecutive layers' keys or its values (the
+   keys and values together when the scheme has one width for both: hf); a group is one layer up to
+   :data:`AUTO_GROUPS` layers, else the layers are cut into that many groups (``--layer-groups N``): each
+   unit costs one run per level below the top (step 3), so a 30-layer model measured layer by layer
+   would take 300 runs on the kivi ladder.
 2. **Uniform baselines.** Every uniform setting is measured: each level for every layer's keys and values
    (``--bits N``, what ``convert`` does without ``--layer-bits``), and where keys and values may differ
    every KEY/VALUE pair of the ladder for all layers. The *best uniform* setting is the one-width setting
@@ -57,13 +60,14 @@ from typing import Any, Sequence
 from ..errors import InputError
 from .compare import CompareOptions, SchemeRow, SchemeSpec, job_steps, prepare, worker_died
 
-__all__ = ["LADDERS", "AutoBitsResult", "auto_bits", "knapsack"]
+__all__ = ["LADDERS", "AutoBitsResult", "auto_bits", "knapsack", "layer_groups", "pick_ladder", "scheme_ladder"]
 
 LADDERS: dict[str, tuple[Any, ...]] = {
     "kivi": (2, 3, 4, 5, 6, 8), "ggml": ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0"), "hf": (2, 4),
     "hf-hqq": (1, 2, 3, 4, 8), "tract-cache": (4, 8), "rotated": (2, 3, 4)}
 SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True, "rotated": True}
 GRID = 4000
+AUTO_GROUPS = 8  # default --layer-groups: consecutive layers share a unit past this many layers
 ROUNDS = 6  # verification rounds (two candidates each)
 REFINE_ROUNDS = 12  # measured local-search rounds after them (two candidates each)
 
@@ -129,6 +133,11 @@ class AutoBitsResult:
     held_out: list[Candidate] = field(default_factory=list)  # the choice (first) and the best uniform, held-out text
     rejected: Candidate | None = None  # a choice that failed the held-out check
     starts: dict[str, list[int]] = field(default_factory=dict)  # stage -> its windows' first predicted tokens
+    groups: list[range] | None = None  # the units' layers (None: one layer a unit)
+
+    @property
+    def unit_groups(self) -> list[range]:
+        return _as_groups(self.layers if self.groups is None else self.groups)
 
     def held(self, c: Candidate | None) -> Candidate | None:
         """``c``'s measurement on the held-out windows, when made."""
@@ -149,12 +158,27 @@ class AutoBitsResult:
         return 1.0 - self.chosen.kv_bytes / base.kv_bytes
 
 
-def _ladder(scheme: str, options: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
+def scheme_ladder(scheme: str, options: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
     if scheme not in SPLIT:
         raise InputError(f"--auto-bits: scheme {scheme} has no bit width to choose (schemes with one: "
                          f"{', '.join(SPLIT)})")
     key = "hf-hqq" if scheme == "hf" and options.get("backend") == "hqq" else scheme
     return LADDERS[key], SPLIT[scheme]
+
+
+def pick_ladder(scheme: str, full: Sequence[Any], given: Sequence[Any]) -> tuple[Any, ...]:
+    """``--ladder``: the levels given, in the scheme's order; each must be one of its ladder's, two at least."""
+    names = {str(lv): lv for lv in full}
+    out = []
+    for g in given:
+        lv = names.get(str(g).strip().lower())
+        if lv is None:
+            raise InputError(f"--ladder {','.join(map(str, given))}: {g} is not a level of scheme {scheme} "
+                             f"(its ladder: {', '.join(map(str, full))})")
+        out.append(lv)
+    if len(set(out)) < 2:
+        raise InputError(f"--ladder {','.join(map(str, given))}: two levels at least are needed to choose between")
+    return tuple(lv for lv in full if lv in out)
 
 
 def _spec(scheme: str, options: dict[str, Any], setting: list[tuple[Any, Any]], label: str) -> SchemeSpec:
@@ -198,12 +222,47 @@ def knapsack(costs: list[list[float]], sizes: list[list[float]], limit: float, g
     return out[::-1]
 
 
-def _units(layers: int, split: bool) -> list[tuple[int, int]]:
-    return [(layer, side) for layer in range(layers) for side in ((0, 1) if split else (0,))]
+def _as_groups(groups: int | list[range]) -> list[range]:
+    return [range(i, i + 1) for i in range(groups)] if isinstance(groups, int) else list(groups)
 
 
-def _setting(levels: dict[tuple[int, int], Any], layers: int, split: bool) -> list[tuple[Any, Any]]:
-    return [(levels[(layer, 0)], levels[(layer, 1)] if split else levels[(layer, 0)]) for layer in range(layers)]
+def layer_groups(layers: int, count: int | None) -> list[range]:
+    """``layers`` consecutive layers cut into ``count`` groups as equal as possible, the larger ones first
+    (None: :data:`AUTO_GROUPS` groups at most; one layer a group on a shallower model)."""
+    n = min(layers, AUTO_GROUPS if count is None else count)
+    size, extra = divmod(layers, n)
+    out, first = [], 0
+    for g in range(n):
+        last = first + size + (1 if g < extra else 0)
+        out.append(range(first, last))
+        first = last
+    return out
+
+
+def _units(groups: int | list[range], split: bool) -> list[tuple[int, int]]:
+    return [(g, side) for g in range(len(_as_groups(groups))) for side in ((0, 1) if split else (0,))]
+
+
+def _setting(levels: dict[tuple[int, int], Any], groups: int | list[range], split: bool) -> list[tuple[Any, Any]]:
+    """The per-layer setting (keys, values) of per-unit levels: every layer of a group at its group's levels."""
+    return [(levels[(g, 0)], levels[(g, 1)] if split else levels[(g, 0)])
+            for g, rng in enumerate(_as_groups(groups)) for _ in rng]
+
+
+def _levels(setting: list[tuple[Any, Any]], groups: int | list[range], split: bool) -> dict[tuple[int, int], Any]:
+    """The per-unit levels of a per-layer setting (a group's first layer speaks for it)."""
+    out = {}
+    for g, rng in enumerate(_as_groups(groups)):
+        k, v = setting[rng.start]
+        out[(g, 0)] = k
+        if split:
+            out[(g, 1)] = v
+    return out
+
+
+def _group_name(groups: list[range], g: int) -> str:
+    rng = groups[g]
+    return f"layer {rng.start}" if len(rng) == 1 else f"layers {rng.start}-{rng.stop - 1}"
 
 
 def _layers(model: Any, scheme: str) -> int:
@@ -216,8 +275,9 @@ def _layers(model: Any, scheme: str) -> int:
 
 
 def _unit_bytes(uniform: dict[tuple[Any, Any], Candidate], ladder: Sequence[Any], layers: int,
-                split: bool) -> dict[tuple[int, int, Any], float]:
-    """Bytes of each unit at each level, from the KV ops' byte counts of the uniform runs."""
+                split: bool, groups: int | list[range] | None = None) -> dict[tuple[int, int, Any], float]:
+    """Bytes of each unit at each level, from the KV ops' byte counts of the uniform runs (a group's: the
+    sum of its layers')."""
     out: dict[tuple[int, int, Any], float] = {}
     for lv in ladder:
         cand = uniform[(lv, lv)]
@@ -233,35 +293,43 @@ def _unit_bytes(uniform: dict[tuple[Any, Any], Candidate], ladder: Sequence[Any]
                 if "value" in a["node"] and "value" not in b["node"]:
                     a, b = b, a
                 per.append((a["bytes"], b["bytes"]))
-        for layer in range(layers):
+        for g, rng in enumerate(_as_groups(layers if groups is None else groups)):
+            k, v = sum(per[i][0] for i in rng), sum(per[i][1] for i in rng)
             if split:
-                out[(layer, 0, lv)], out[(layer, 1, lv)] = per[layer]
+                out[(g, 0, lv)], out[(g, 1, lv)] = k, v
             else:
-                out[(layer, 0, lv)] = per[layer][0] + per[layer][1]
+                out[(g, 0, lv)] = k + v
     return out
 
 
 def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max_kl: float,
               copts: CompareOptions, label: str, jobs: int | None = None, ray: str | None = None,
               names: dict[str, str] | None = None, show_progress: bool | None = None,
-              cache: dict[str, SchemeRow] | None = None, match_uniform: bool = False) -> AutoBitsResult:
+              cache: dict[str, SchemeRow] | None = None, match_uniform: bool = False,
+              ladder: Sequence[Any] | None = None, groups: int | None = None) -> AutoBitsResult:
     """Choose ``--layer-bits`` for ``scheme`` (see the module docstring). ``cache``: rows measured by an
     earlier call on the same model, text, context and options (a sweep over budgets measures each once).
     ``match_uniform``: the target is also the best uniform setting's KL (never worse than it), not only
-    the budget."""
+    the budget. ``ladder``: the levels searched, a subset of the scheme's (:data:`LADDERS`; default all of
+    them). ``groups``: units of consecutive layers (:func:`layer_groups`; default at most
+    :data:`AUTO_GROUPS`)."""
     from .jobs import connect_ray, shutdown_ray
 
     if not (isinstance(max_kl, (int, float)) and math.isfinite(max_kl) and max_kl > 0):
         raise InputError(f"--max-kl {max_kl}: a mean KL budget > 0 (nats) is expected")
     if copts.contexts is not None and len(copts.contexts) != 1:
         raise InputError(f"--context {','.join(map(str, copts.contexts))}: --auto-bits chooses for one context")
-    ladder, split = _ladder(scheme, options)
+    full, split = scheme_ladder(scheme, options)
+    ladder = full if ladder is None else pick_ladder(scheme, full, ladder)
     layers = _layers(model, scheme)
+    if groups is not None and not (isinstance(groups, int) and 1 <= groups):
+        raise InputError(f"--layer-groups {groups}: a number of groups >= 1 is expected")
+    cut = layer_groups(layers, groups)
     if ray is not None:
         connect_ray(ray)  # an unreachable cluster is refused before any work
     try:
         return _search(model, source, scheme, options, max_kl, copts, label, jobs, ray, names, show_progress,
-                       cache, match_uniform, ladder, split, layers)
+                       cache, match_uniform, ladder, split, layers, cut)
     finally:
         shutdown_ray(ray)
 
@@ -269,7 +337,7 @@ def auto_bits(model: Any, source: Any, scheme: str, options: dict[str, Any], max
 def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_kl: float, copts: CompareOptions,
             label: str, jobs: int | None, ray: str | None, names: dict[str, str] | None, show_progress: bool | None,
             cache: dict[str, SchemeRow] | None, match_uniform: bool, ladder: tuple[Any, ...], split: bool,
-            layers: int) -> AutoBitsResult:
+            layers: int, groups: list[range] | None = None) -> AutoBitsResult:
     from .compare import run_job
     from .jobs import run_tasks
 
@@ -308,14 +376,15 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
     pairs = [(k, v) for k in ladder for v in (ladder if split else (None,))]
     uniform = {(k, v if split else k): Candidate(f"uniform {k}" + (f"/{v}" if split and v != k else ""),
                                                  [(k, v if split else k)] * layers) for k, v in pairs}
-    units = _units(layers, split)
+    groups = _as_groups(layers if groups is None else groups)
+    units = _units(groups, split)
     sens: dict[tuple[int, int, Any], Candidate] = {}
-    for layer, side in units:
+    for g, side in units:
         for lv in ladder[:-1]:
             lv_map = {u: top for u in units}
-            lv_map[(layer, side)] = lv
+            lv_map[(g, side)] = lv
             what = ("keys" if side == 0 else "values") if split else "keys+values"
-            sens[(layer, side, lv)] = Candidate(f"layer {layer} {what} at {lv}", _setting(lv_map, layers, split))
+            sens[(g, side, lv)] = Candidate(f"{_group_name(groups, g)} {what} at {lv}", _setting(lv_map, groups, split))
     runner = run(list(uniform.values()) + list(sens.values()))
     ok = [c for (k, v), c in uniform.items() if c.within(max_kl) and k == v]
     best_u = min(ok, key=lambda c: (c.kv_bytes, c.kl)) if ok else None
@@ -324,9 +393,9 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
     target = min(max_kl, best_u.kl) if best_u is not None and match_uniform else max_kl
     base = uniform[(top, top)].kl
     dkl = {k: max(0.0, c.kl - base) for k, c in sens.items()}
-    ubytes = _unit_bytes(uniform, ladder, layers, split)
+    ubytes = _unit_bytes(uniform, ladder, layers, split, groups)
     res = AutoBitsResult(scheme, options, max_kl, target, ctx, job.eval_tokens, layers, split, ladder,
-                         list(uniform.values()), dkl, [], best_u, None, best_pair, notes, runner)
+                         list(uniform.values()), dkl, [], best_u, None, best_pair, notes, runner, groups=groups)
     res.starts = {st: list(j.starts) for st, j in jobs_of.items()}
     if not math.isfinite(base) or base > target:
         res.notes.append(f"the most precise uniform setting ({top}) has KL {base:.4g}, above the target "
@@ -345,7 +414,7 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
             pick = knapsack(costs, sizes, allowed * f)
             if pick is None:
                 continue
-            setting = _setting({u: ladder[i] for u, i in zip(units, pick)}, layers, split)
+            setting = _setting({u: ladder[i] for u, i in zip(units, pick)}, groups, split)
             if tuple(setting) in tried:
                 continue
             tried.add(tuple(setting))
@@ -366,7 +435,7 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
             factors = [bad_f * 0.6, bad_f * 0.35]
         else:  # between the two
             factors = [good_f + (bad_f - good_f) / 3, good_f + 2 * (bad_f - good_f) / 3]
-    _refine_all(res, run, dkl, ubytes, units, ladder, layers, split, target, tried)
+    _refine_all(res, run, dkl, ubytes, units, ladder, groups, split, target, tried)
     # the cheapest setting measured within the target: a per-layer candidate, or a uniform one
     within = [c for c in res.rounds + res.uniform + list(sens.values()) if c.within(target)]
     res.chosen = min(within, key=lambda c: (c.kv_bytes, c.kl, c not in res.rounds)) if within else None
@@ -437,7 +506,7 @@ def _decide(res: AutoBitsResult, run: Any, measured: list[Candidate], max_kl: fl
 
 def _refine_all(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], float],
                 ubytes: dict[tuple[int, int, Any], float], units: list[tuple[int, int]], ladder: tuple[Any, ...],
-                layers: int, split: bool, target: float, tried: set[tuple]) -> None:
+                layers: int | list[range], split: bool, target: float, tried: set[tuple]) -> None:
     """Step 6: when a round's setting is the cheapest within the target, first a descent from the cheapest
     uniform setting within it (keys and values may differ), then the refinement from the cheapest of all.
     The descent explores another basin: the first-order model misjudges interactions, and the uniform
@@ -453,7 +522,7 @@ def _refine_all(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], f
 
 def _refine(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], float],
             ubytes: dict[tuple[int, int, Any], float], units: list[tuple[int, int]], ladder: tuple[Any, ...],
-            layers: int, split: bool, target: float, tried: set[tuple], start: Candidate | None = None,
+            layers: int | list[range], split: bool, target: float, tried: set[tuple], start: Candidate | None = None,
             rounds: int = REFINE_ROUNDS, name: str = "refinement") -> None:
     """Step 6 of the module docstring: measured one-step descents from the cheapest setting within the target
     (``start``: from that setting and what descends from it only)."""
@@ -468,11 +537,7 @@ def _refine(res: AutoBitsResult, run: Any, dkl: dict[tuple[int, int, Any], float
         if not within:
             return
         cur = min(within, key=lambda c: (c.kv_bytes, c.kl))
-        levels = {}
-        for layer, (k, v) in enumerate(cur.setting):
-            levels[(layer, 0)] = k
-            if split:
-                levels[(layer, 1)] = v
+        levels = _levels(cur.setting, layers, split)
         moves = []
         for u in units:
             for lower in _next_levels(u, levels[u], ubytes, ladder, -1):
@@ -526,7 +591,8 @@ def _next_levels(u: tuple[int, int], level: Any, ubytes: dict[tuple[int, int, An
 
 
 def _exchanges(levels: dict[tuple[int, int], Any], kl: float, cost: Any, ubytes: dict[tuple[int, int, Any], float],
-               units: list[tuple[int, int]], ladder: tuple[Any, ...], layers: int, split: bool, target: float,
+               units: list[tuple[int, int]], ladder: tuple[Any, ...], layers: int | list[range], split: bool,
+               target: float,
                tried: set[tuple]) -> list[list[tuple[Any, Any]]]:
     """Settings one exchange from ``levels``: unit ``a`` one step down, unit ``b`` one step up (to the nearest
     sizes: :func:`_next_levels`), holding

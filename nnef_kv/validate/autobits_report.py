@@ -43,7 +43,10 @@ def _table(rows: list[list[str]]) -> str:
 
 def _summary(res: AutoBitsResult) -> list[str]:
     st = res.starts
-    out = [f"scheme {res.scheme}, {res.layers} layers, ladder {', '.join(map(str, res.ladder))}"
+    gs = res.unit_groups
+    grouped = "" if len(gs) == res.layers else (f" in {len(gs)} groups of consecutive layers sharing a setting "
+                                                f"({', '.join(_span(r) for r in gs)}; --layer-groups)")
+    out = [f"scheme {res.scheme}, {res.layers} layers{grouped}, ladder {', '.join(map(str, res.ladder))}"
            f"{' (keys and values apart)' if res.split else ''}; context {res.context}, {res.eval_tokens} predictions "
            f"a window: the search on {len(st.get('search', []))} window, more tokens on "
            f"{len(st.get('decide', []))}, held out {len(st.get('held-out', []))} (first predicted tokens: search "
@@ -106,12 +109,13 @@ def render_markdown(res: AutoBitsResult) -> str:
     lines += _md_table([_row(c, res.target) for c in res.uniform])
     lines += ["", "## Sensitivity: dKL when one unit alone is lowered from the most precise setting", ""]
     levels = res.ladder[:-1]
-    lines += ["| layer | " + " | ".join(f"{lv}" for lv in levels) + " |", "|---|" + "---|" * len(levels)]
-    for layer in range(res.layers):
+    lines += ["| layers | " + " | ".join(f"{lv}" for lv in levels) + " |", "|---|" + "---|" * len(levels)]
+    for g, rng in enumerate(res.unit_groups):
         for side in ((0, 1) if res.split else (0,)):
             what = ("keys" if side == 0 else "values") if res.split else "keys+values"
-            vals = [res.sensitivity.get((layer, side, lv)) for lv in levels]
-            lines.append(f"| {layer} {what} | " + " | ".join(f"{v:.3g}" if finite(v) else "-" for v in vals) + " |")
+            vals = [res.sensitivity.get((g, side, lv)) for lv in levels]
+            lines.append(f"| {_span(rng)} {what} | " + " | ".join(f"{v:.3g}" if finite(v) else "-" for v in vals)
+                         + " |")
     lines += ["", "## Candidates verified", ""] + _md_table([_row(c, res.target) for c in res.rounds])
     if res.decided:
         lines += ["", "## Measured again on more tokens", ""] + _md_table([_row(c, res.target) for c in res.decided])
@@ -134,6 +138,10 @@ def _cand(c: Candidate | None) -> Any:
             "bits_per_value": f.get("bits_per_value")}
 
 
+def _span(rng: range) -> str:
+    return str(rng.start) if len(rng) == 1 else f"{rng.start}-{rng.stop - 1}"
+
+
 def render_json(res: AutoBitsResult) -> str:
     d = {"format": "nnef-kv-auto-bits", "version": 2, "scheme": res.scheme, "options": res.options,
          "budget": res.budget, "target": res.target, "context": res.context, "eval_tokens": res.eval_tokens,
@@ -141,7 +149,10 @@ def render_json(res: AutoBitsResult) -> str:
          "saving_vs_best_uniform": res.saving(), "best_uniform": _cand(res.best_uniform), "chosen": _cand(res.chosen),
          "best_uniform_pair": _cand(res.best_pair), "saving_vs_best_uniform_pair": res.saving(res.best_pair),
          "uniform": [_cand(c) for c in res.uniform], "candidates": [_cand(c) for c in res.rounds],
-         "sensitivity": [{"layer": k[0], "side": ("keys", "values")[k[1]] if res.split else "keys+values",
+         "groups": [[r.start, r.stop - 1] for r in res.unit_groups],
+         "sensitivity": [{"layer": res.unit_groups[k[0]].start, "layers": [res.unit_groups[k[0]].start,
+                                                                           res.unit_groups[k[0]].stop - 1],
+                          "side": ("keys", "values")[k[1]] if res.split else "keys+values",
                           "level": k[2], "dkl": v} for k, v in res.sensitivity.items()],
          "decided": [_cand(c) for c in res.decided], "held_out": [_cand(c) for c in res.held_out],
          "held_out_chosen": _cand(res.held(res.chosen or res.rejected)),
