@@ -345,3 +345,39 @@ def test_grouped_units_expand_to_every_layer_and_sum_their_bytes():
 def test_ladder_is_a_subset_in_the_schemes_order():
     assert pick_ladder("kivi", LADDERS["kivi"], ["8", "3", "4"]) == (3, 4, 8)
     assert pick_ladder("ggml", LADDERS["ggml"], ["Q8_0", "q4_0"]) == ("q4_0", "q8_0")
+
+
+def test_when_the_search_window_was_easy_the_choice_climbs_on_more_tokens():
+    """Two layers (one width each), the search window 1.5x easier than the text: uniform 4 (8 bytes) is
+    within the target 0.5 on the search window and fails on more tokens; the settings the search measured
+    between it and uniform 8 are measured again, predicted by the ratio of the two stages, and the
+    cheapest that holds there, per-layer 2/8 (10 bytes), is chosen and held out."""
+    from nnef_kv.validate.autobits import _decide
+
+    cost = {2: 0.3, 4: 0.2, 8: 0.0}
+
+    def kl_of(setting, stage):
+        return sum(cost[k] for k, _ in setting) * (1.0 if stage == "search" else 1.5)
+
+    def cand(label, levels, stage="search"):
+        c = Candidate(label, [(lv, lv) for lv in levels])
+        c.row = _CiRow(kl_of(c.setting, stage), 0.02, float(sum(levels)))
+        return c
+
+    uniform = [cand(f"uniform {lv}", (lv, lv)) for lv in (2, 4, 8)]
+    rounds = [cand("round 1", (2, 8)), cand("round 2", (4, 8))]
+    res = AutoBitsResult("hf", {}, 0.5, 0.5, 64, 8, 2, False, (2, 4, 8), uniform, {}, rounds, None, None)
+    res.chosen = uniform[1]  # the search's choice: uniform 4, within on the search window
+    calls = []
+
+    def run(cands, stage="search"):
+        calls.append((stage, [tuple(k for k, _ in c.setting) for c in cands]))
+        for c in cands:
+            c.row = _CiRow(kl_of(c.setting, stage), 0.02, float(sum(k for k, _ in c.setting)))
+
+    _decide(res, run, uniform + rounds, 0.5)
+    assert calls[0] == ("decide", [(4, 4), (8, 8)])  # the choice and the uniform settings: 4 fails there
+    assert calls[1] == ("decide", [(2, 8), (4, 8)])  # the climb: predicted 0.47 and 0.32 by the ratio 1.48
+    assert "ratio 1.48" in res.decided[2].label
+    assert res.chosen.setting == [(2, 2), (8, 8)] and res.chosen.kv_bytes == 10 and res.rejected is None
+    assert calls[2][0] == "held-out" and res.held(res.chosen).within(0.5)
