@@ -23,7 +23,10 @@ Sections (each prints its table; ``--out`` also writes every figure as JSON):
 * ``keys``: keys quantized, values exact (the setting quant.cpp publishes SmolLM2 figures for): the ppl delta of
   nnef-kv's nearest configurations, on the same tokens.
 * ``speed``: decode and 512-token prefill tokens/s of nnef-kv, tract and llama.cpp on the f32 and keep archives,
-  one and two threads, interleaved rounds; the machine's load average is printed with them.
+  one and two threads, paired: each round is one process holding every engine, prefills one after another,
+  then 32 decode tokens in lockstep (every engine's token k before any engine's token k + 1, as
+  ``benchmarks/decode.py --lockstep`` pairs them); rounds alternate one and two threads; the machine's load
+  average is printed with them.
 * ``resources``: wall time, CPU time and peak RSS of ``convert`` (import, and import + KIVI-4), ``inspect``,
   ``validate`` and ``compare`` on SmolLM2, against the archive's size.
 
@@ -301,46 +304,70 @@ def section_keys(ctx: dict[str, Any], n: int, results: dict[str, Any]) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- speed
-_SPEED_CHILD = r'''
+_SPEED_CHILD = r"""
 import os, sys
-kind, path, threads, prompt_n, steps = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-# every engine told its threads before it starts a pool: tract's rayon, nnef-kv's sessions, BLAS
+threads, prompt_n, steps, ids_path, root = (int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4],
+                                            sys.argv[5])
+engines = [tuple(e.split("|", 2)) for e in sys.argv[6:]]  # kind|label|path
+# every engine told its threads before any pool starts: tract's rayon, nnef-kv's sessions; BLAS on one thread
+# (nnef-kv's policy: its own split of large products is the second thread)
 os.environ["RAYON_NUM_THREADS"] = os.environ["NNEF_KV_THREADS"] = str(threads)
 for v in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
-    os.environ[v] = "1" if kind != "tract" else str(threads)
+    os.environ[v] = "1"
 import json, time, numpy as np
-ids = list(np.load(sys.argv[6]))
-res = {}
-if kind == "llama.cpp":
-    import llama_cpp
-    from llama_cpp import Llama
-    llm = Llama(model_path=path, n_ctx=prompt_n + steps + 8, n_batch=512, verbose=True, n_threads=threads,
-                n_threads_batch=threads, flash_attn=True)
-    t = time.perf_counter(); llm.eval(ids[:prompt_n]); res["prefill_s"] = time.perf_counter() - t
-    t = time.perf_counter()
-    for k in range(steps):
-        llm.eval([ids[prompt_n + k]])
-    res["decode_s"] = time.perf_counter() - t
-else:
-    sys.path.insert(0, sys.argv[7])
-    from threadpoolctl import threadpool_limits
-    import nnef_kv
-    from nnef_kv.validate.decode import InterpreterDecoder, TractDecoder
-    model = nnef_kv.load(path)
-    with threadpool_limits(threads):
+sys.path.insert(0, root)
+ids = [int(t) for t in np.load(ids_path)]
+
+
+class Llama:
+    def __init__(self, path):
+        from llama_cpp import Llama as L
+        self.llm = L(model_path=path, n_ctx=prompt_n + steps + 8, n_batch=512, verbose=True, n_threads=threads,
+                     n_threads_batch=threads, flash_attn=True)
+
+    def first(self, prompt):
+        self.llm.reset()
+        self.llm.eval(prompt)
+
+    def step(self, t):
+        self.llm.eval([t])
+
+
+class Ours:
+    def __init__(self, path, kind):
+        import nnef_kv
+        from nnef_kv.validate.decode import InterpreterDecoder, TractDecoder
+        model = nnef_kv.load(path)
         dec = InterpreterDecoder(model)
-        if kind == "tract":
-            dec = TractDecoder(path, dec.sig)
-        t = time.perf_counter(); dec.prefill(ids[:prompt_n]); res["prefill_s"] = time.perf_counter() - t
-        t = time.perf_counter()
-        for k in range(steps):
-            dec(np.asarray([ids[prompt_n + k]]))
-        res["decode_s"] = time.perf_counter() - t
+        self.dec = TractDecoder(path, dec.sig) if kind == "tract" else dec
+
+    def first(self, prompt):
+        self.dec.reset()
+        self.dec.prefill(prompt)
+
+    def step(self, t):
+        self.dec(np.asarray([t]))
+
+
+made = [(k, lab, Llama(p) if k == "llama.cpp" else Ours(p, k)) for k, lab, p in engines]
+prompt, forced = ids[:prompt_n], ids[prompt_n:prompt_n + steps]
+for _, _, e in made:  # cold start, not timed
+    e.first(prompt[:16])
+    e.step(forced[0])
+res = {f"{k}|{lab}": {"prefill_s": 0.0, "decode_s": 0.0} for k, lab, _ in made}
+for k, lab, e in made:  # the prefills one after another
+    t = time.perf_counter(); e.first(prompt); res[f"{k}|{lab}"]["prefill_s"] = time.perf_counter() - t
+for tok in forced:  # lockstep: every engine's token k, milliseconds apart, before any engine's token k + 1
+    for k, lab, e in made:
+        t = time.perf_counter(); e.step(tok); res[f"{k}|{lab}"]["decode_s"] += time.perf_counter() - t
 print("RESULT " + json.dumps(res))
-'''
+"""
 
 
 def section_speed(ctx: dict[str, Any], rounds: int, results: dict[str, Any]) -> None:
+    """Decode and 512-token prefill speed of every engine, paired: one process per round and thread count runs
+    all engines, prefills one after another, then decode in lockstep (each engine's token k before any
+    engine's token k + 1); rounds alternate one and two threads. Ratios are of summed times."""
     import nnef_kv
     from nnef_kv.converters.frontends.gguf import gguf_import
 
@@ -352,37 +379,37 @@ def section_speed(ctx: dict[str, Any], rounds: int, results: dict[str, Any]) -> 
     prompt_n, steps = 512, 32
     runs = [("nnef-kv", "f32", ctx["f32"]), ("tract", "f32", ctx["f32"]), ("nnef-kv", "keep", keep),
             ("tract", "keep", keep)]
-    try:
-        import importlib.util
+    import importlib.util
 
-        if importlib.util.find_spec("llama_cpp") is not None:
-            runs.append(("llama.cpp", "gguf Q4_1", ctx["gguf"]))
-    except ImportError:  # pragma: no cover
-        pass
+    if importlib.util.find_spec("llama_cpp") is not None:
+        runs.append(("llama.cpp", "gguf Q4_1", ctx["gguf"]))
     table: dict[tuple[str, str, int], list[dict[str, float]]] = {}
-    for r in range(rounds):  # interleaved: every engine once per round, in the same order
+    for r in range(rounds):
         for threads in (1, 2):
-            for kind, label, path in runs:
-                p = subprocess.run([sys.executable, "-c", _SPEED_CHILD, kind, str(path), str(threads), str(prompt_n),
-                                    str(steps), str(ids_path), str(ROOT)], capture_output=True, text=True)
-                line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
-                if line is None:
-                    print(f"  {kind} {label} {threads}T failed: {p.stderr.strip().splitlines()[-1:]}")
-                    continue
-                table.setdefault((kind, label, threads), []).append(json.loads(line[7:]))
+            p = subprocess.run([sys.executable, "-c", _SPEED_CHILD, str(threads), str(prompt_n), str(steps),
+                                str(ids_path), str(ROOT)] + [f"{k}|{lab}|{path}" for k, lab, path in runs],
+                               capture_output=True, text=True)
+            line = next((x for x in p.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                print(f"  round {r + 1}, {threads}T failed: {p.stderr.strip().splitlines()[-3:]}")
+                continue
+            for key, v in json.loads(line[7:]).items():
+                kind, label = key.split("|", 1)
+                table.setdefault((kind, label, threads), []).append(v)
         print(f"  round {r + 1}/{rounds} done; {load_avg()}")
     rows = []
     for (kind, label, threads), vals in table.items():
-        pre = float(np.median([v["prefill_s"] for v in vals]))
-        dec = float(np.median([v["decode_s"] for v in vals]))
-        rows.append({"engine": kind, "weights": label, "threads": threads, "prefill_tok_s": prompt_n / pre,
-                     "decode_tok_s": steps / dec, "rounds": len(vals)})
+        pre = float(sum(v["prefill_s"] for v in vals))
+        dec = float(sum(v["decode_s"] for v in vals))
+        rows.append({"engine": kind, "weights": label, "threads": threads, "prefill_tok_s": prompt_n * len(vals) / pre,
+                     "decode_tok_s": steps * len(vals) / dec, "rounds": len(vals)})
     for threads in (1, 2):
         base = {r["weights"]: r for r in rows if r["engine"] == "tract" and r["threads"] == threads}
         for r in (x for x in rows if x["threads"] == threads):
-            t = base.get(r["weights"])
-            ratio = (f"prefill {r['prefill_tok_s'] / t['prefill_tok_s']:.2f}x, decode "
-                     f"{r['decode_tok_s'] / t['decode_tok_s']:.2f}x tract") if t and r["engine"] != "tract" else ""
+            t = base.get(r["weights"]) or base.get("f32")
+            ratio = "" if not t or r["engine"] == "tract" else (
+                f"prefill {r['prefill_tok_s'] / t['prefill_tok_s']:.2f}x, decode "
+                f"{r['decode_tok_s'] / t['decode_tok_s']:.2f}x tract {t['weights']}")
             print(f"  {threads}T {r['engine']:9s} {r['weights']:9s} prefill {r['prefill_tok_s']:7.1f} tok/s, decode "
                   f"{r['decode_tok_s']:6.2f} tok/s  {ratio}")
     results["speed"] = {"prompt": prompt_n, "steps": steps, "rows": rows, "load": load_avg()}
