@@ -1,4 +1,4 @@
-"""Regenerate the table "What the command line and the Python API refuse" (README.md, docs/hardening.md) from
+"""Regenerate the table "What the command line and the Python API refuse" (docs/hardening.md) from
 real runs of the cases of tests/test_cli_hostile.py and tests/test_api_hostile.py.
 
     python fuzz/cli_table.py > /tmp/cli_table.md     # from the repository root

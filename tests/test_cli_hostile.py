@@ -6,7 +6,7 @@ with ``os.mknod`` when running as root) and checks: the exit code; for a refusal
 traceback, no "internal error", the words expected (naming the path, option, node or key) and at most 300
 characters beyond the paths it names; and nothing changed at or near the targets (no temporary left, special
 files, links and the precious folder untouched, the inputs byte-identical, the other targets unchanged).
-``fuzz/cli_table.py`` prints the README's table from these same cases."""
+``fuzz/cli_table.py`` prints docs/hardening.md's table from these same cases."""
 from __future__ import annotations
 
 import os
@@ -676,11 +676,12 @@ def test_every_option_has_help_and_shows_its_default() -> None:
         assert f"default {default}" in after.split(" --", 1)[0], (flag, after[:300])
 
 
-def test_the_readme_table_has_a_row_per_case() -> None:
-    """README.md's table comes from these cases (``python fuzz/cli_table.py``): a case added here shows there."""
+def test_the_hardening_table_has_a_row_per_case() -> None:
+    """docs/hardening.md's table comes from these cases (``python fuzz/cli_table.py``): a case added here shows
+    there."""
     from conftest import REPO
 
-    readme = (REPO / "README.md").read_text()
+    readme = (REPO / "docs" / "hardening.md").read_text()
     for table, cases in TABLES.items():
         for c in cases:
             assert f"| {table} | {(c.what or c.id).replace('`', chr(39))} |" in readme, (table, c.id)
