@@ -355,7 +355,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for b in bits:
         if bits_problem(b):
             raise CliError(f"--bits {b}: {bits_problem(b)}")
-    contexts = _parse_contexts(args.context or ("1024" if gguf else "256,1024")) or []
+    contexts = _parse_contexts(args.context or ("512" if gguf else "256,1024")) or []
     for c in contexts:
         _int_at_least("--context", c, 1)
     for option, folder in (("--report-dir", args.report_dir), ("--save-dir", args.save_dir)):
@@ -533,7 +533,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "--hidden ...)")
     sp.add_argument("--bits", default="8,4,2", help="kivi bit widths")
     sp.add_argument("--no-tract", action="store_true", help="skip the tract scheme rows")
-    sp.add_argument("--context", default=None, help="context lengths measured (default: 1024 on a real model, 256,1024 "
+    sp.add_argument("--context", default=None, help="context lengths measured (default: 512 on a real model, 256,1024 "
                                                     "on the built-in decoder)")
     sp.add_argument("--eval-tokens", type=int, default=None,
                     help="teacher-forced predictions per window (default: 128 on a real model, 64 built-in)")
