@@ -409,12 +409,13 @@ def _decide(res: AutoBitsResult, run: Any, measured: list[Candidate], max_kl: fl
 
 
 def _climb(res: AutoBitsResult, run: Any, measured: list[Candidate], target: float) -> None:
-    """Step 7's second half: when the candidates measured again all fail on more tokens, the search window
-    was easier than the text (a window's KL is not the text's), and the cheapest setting left is a uniform
-    one. So the ratio of the KLs measured on more tokens to those of the same settings on the search window
-    is taken (the median), and up to :data:`CLIMB_ROUNDS` rounds measure again, among the settings the
-    search measured that hold fewer bytes than the cheapest one holding the target so far, the cheapest
-    whose search-window interval, scaled by that ratio, meets the target, and the median one of them."""
+    """Step 7's second half. A window's KL is not the text's: when the search window was easier, the
+    candidates measured again fail on more tokens and the cheapest setting left holding the target may be a
+    uniform one. So the ratio of the upper bounds measured on more tokens to those of the same settings on
+    the search window is taken (the median), and up to :data:`CLIMB_ROUNDS` rounds measure again, among the
+    settings the search measured that hold fewer bytes than the cheapest one holding the target so far, the
+    cheapest whose search-window bound, scaled by that ratio, meets the target, and the median one of them
+    (nothing when no such setting is left)."""
     by_setting = {tuple(c.setting): c for c in measured if math.isfinite(c.kl)}
     for _ in range(CLIMB_ROUNDS):
         done = {tuple(c.setting) for c in res.decided}
