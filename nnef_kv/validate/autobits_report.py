@@ -7,6 +7,7 @@ import json
 from typing import Any
 
 from .autobits import AutoBitsResult, Candidate
+from .autobits_units import span
 from .compare import finite
 from .report import _json_safe
 
@@ -45,7 +46,7 @@ def _summary(res: AutoBitsResult) -> list[str]:
     st = res.starts
     gs = res.unit_groups
     grouped = "" if len(gs) == res.layers else (f" in {len(gs)} groups of consecutive layers sharing a setting "
-                                                f"({', '.join(_span(r) for r in gs)}; --layer-groups)")
+                                                f"({', '.join(span(r) for r in gs)}; --layer-groups)")
     out = [f"scheme {res.scheme}, {res.layers} layers{grouped}, ladder {', '.join(map(str, res.ladder))}"
            f"{' (keys and values apart)' if res.split else ''}; context {res.context}, {res.eval_tokens} predictions "
            f"a window: the search on {len(st.get('search', []))} window, more tokens on "
@@ -114,7 +115,7 @@ def render_markdown(res: AutoBitsResult) -> str:
         for side in ((0, 1) if res.split else (0,)):
             what = ("keys" if side == 0 else "values") if res.split else "keys+values"
             vals = [res.sensitivity.get((g, side, lv)) for lv in levels]
-            lines.append(f"| {_span(rng)} {what} | " + " | ".join(f"{v:.3g}" if finite(v) else "-" for v in vals)
+            lines.append(f"| {span(rng)} {what} | " + " | ".join(f"{v:.3g}" if finite(v) else "-" for v in vals)
                          + " |")
     lines += ["", "## Candidates verified", ""] + _md_table([_row(c, res.target) for c in res.rounds])
     if res.decided:
@@ -136,10 +137,6 @@ def _cand(c: Candidate | None) -> Any:
             "ppl_ratio_ci95": f.get("ppl_ratio_ci95"), "top1_agreement_ci95": f.get("top1_agreement_ci95"),
             "kl_p99": f.get("kl_p99"), "ppl_ratio": f.get("ppl_ratio"), "top1_agreement": f.get("top1_agreement"),
             "bits_per_value": f.get("bits_per_value")}
-
-
-def _span(rng: range) -> str:
-    return str(rng.start) if len(rng) == 1 else f"{rng.start}-{rng.stop - 1}"
 
 
 def render_json(res: AutoBitsResult) -> str:

@@ -84,9 +84,13 @@ def _levels(setting: list[tuple[Any, Any]], groups: int | list[range], split: bo
     return out
 
 
+def span(rng: range) -> str:
+    """A group's layers as the reports print them: ``3`` or ``0-4``."""
+    return str(rng.start) if len(rng) == 1 else f"{rng.start}-{rng.stop - 1}"
+
+
 def _group_name(groups: list[range], g: int) -> str:
-    rng = groups[g]
-    return f"layer {rng.start}" if len(rng) == 1 else f"layers {rng.start}-{rng.stop - 1}"
+    return f"{'layer' if len(groups[g]) == 1 else 'layers'} {span(groups[g])}"
 
 
 def _unit_bytes(uniform: dict[tuple[Any, Any], Any], ladder: Sequence[Any], layers: int,
