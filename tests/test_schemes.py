@@ -148,7 +148,7 @@ def test_valid_options_take_the_scheme_defaults():
         ConvertOptions.of("tract", key_group=8)  # was: checked, kept and ignored
     with pytest.raises(ConversionError, match="key_group=8: scheme tract does not take it"):
         ConvertOptions("tract", key_group=8).validate()
-    assert ConvertOptions("kivi", 2).validate().scheme_options == S.KiviOptions(bits=2)
+    assert ConvertOptions("kivi", bits=2).validate().scheme_options == S.KiviOptions(bits=2)
 
 
 def test_scheme_notes_and_report_settings():
@@ -292,3 +292,87 @@ def test_huge_windows_allocate_nothing_up_front():
             out = op(q, k, v)
         assert np.isfinite(out).all() and op.nbytes()["codes"] == 0, kw
         assert sum(op.nbytes().values()) < 1 << 20, (kw, op.nbytes())
+
+
+# ---------------------------------------------------------------------------------------------- plug-in, all the way
+@dataclass(frozen=True)
+class LadderOptions:
+    bits: int = S.option(8)
+    layer_bits: str = S.option("", type=str)
+
+
+def _ladder_level(values):
+    def level(text):
+        b = int(text)  # ValueError for a non-integer
+        if b not in (2, 4, 8):
+            raise ValueError(f"{b} bits: expected 2, 4 or 8")
+        return b
+    return level
+
+
+def _ladder_attributes(o: LadderOptions, site: S.AttentionSite) -> dict:
+    bits, _ = S.layer_settings(LADDER, o, site.layer)
+    return dict(axis=2, scale=float(site.scale), bits=bits, key_group=8, value_group=8, residual=8, sinks=0,
+                is_causal=bool(site.is_causal))
+
+
+LADDER = S.Scheme(name="kivi-ladder", op="nnef_kv_kivi_sdpa", summary="nnef_kv_kivi_sdpa, 2/4/8 bits (test)",
+                  rewrite="attention", options=LadderOptions, check=lambda values: None,
+                  make_attributes=_ladder_attributes, mask_note="attention '{output}': mask '{mask}' gone",
+                  reported=("bits",), window=lambda o: 16, level=_ladder_level, ladder=lambda values: (2, 4, 8))
+
+
+@pytest.fixture
+def ladder_scheme(monkeypatch):
+    monkeypatch.setitem(S.SCHEMES, LADDER.name, LADDER)
+    yield LADDER
+    monkeypatch.undo()
+    assert LADDER.name not in S.SCHEMES
+
+
+def test_a_plugin_scheme_runs_through_compare_and_auto_bits(ladder_scheme, tmp_path, capsys):
+    """A scheme registered at test time, with a ladder and a per-layer level of its own, is measured by
+    ``compare`` (its specs parsed by its level rule, its rows coloured as its own family) and searched by
+    ``convert --auto-bits`` (its ladder), in worker processes that receive it by reference."""
+    import json
+    import pickle
+
+    from nnef_kv.validate.compare import parse_spec
+
+    assert pickle.loads(pickle.dumps(LADDER)) is LADDER and pickle.loads(pickle.dumps(S.SCHEMES["kivi"])) is \
+        S.SCHEMES["kivi"]
+    assert S.plugins() == (LADDER,)
+    import dataclasses
+
+    with pytest.raises(ConversionError, match="scheme kivi: a built-in scheme has that name"):
+        S.register(dataclasses.replace(LADDER, name="kivi"))
+    assert parse_spec("kivi-ladder:4").kwargs == {"bits": 4}
+    with pytest.raises(nnef_kv.errors.InputError, match="KEY/VALUE bits are for kivi"):
+        parse_spec("kivi-ladder:4/2")  # one setting for keys and values (its level_options)
+    path = tmp_path / "f32.nnef.tar"
+    nnef_kv.save(build_decoder(DecoderConfig(vocab=256, hidden=32, layers=2, heads=2, kv_heads=1, head_dim=8,
+                                             mlp=32, seed=3)), path)
+    ids = tmp_path / "ids.npy"
+    np.save(ids, np.random.default_rng(0).integers(0, 256, 600))
+    out = tmp_path / "rep"
+    rc = main(["compare", str(path), "--ids", str(ids), "--schemes", "kivi-ladder:2,kivi-ladder:8", "--context", "64",
+               "--eval-tokens", "8", "--windows", "2", "--no-tract", "--jobs", "2", "--report-dir", str(out)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rows = {r["scheme"]: r for r in json.loads((out / "report.json").read_text())["rows"]}
+    assert {r["status"] for r in rows.values()} == {"measured"} and {r["family"] for r in rows.values()} == \
+        {"kivi-ladder"}
+    assert rows["kivi-ladder:2"]["kv_bytes"] < rows["kivi-ladder:8"]["kv_bytes"]
+
+    conv = tmp_path / "auto.nnef.tar"
+    rd = tmp_path / "auto"
+    rc = main(["convert", str(path), "-o", str(conv), "--scheme", "kivi-ladder", "--auto-bits", "--max-kl", "50",
+               "--ids", str(ids), "--context", "64", "--eval-tokens", "8", "--windows", "2", "--jobs", "2",
+               "--report-dir", str(rd)])
+    printed = capsys.readouterr().out
+    assert rc == 0, printed
+    rep = json.loads((rd / "report.json").read_text())
+    assert rep["scheme"] == "kivi-ladder" and rep["ladder"] == [2, 4, 8] and not rep["split"]
+    assert len(rep["uniform"]) == 3 and rep["chosen"] is not None
+    text = nnef_kv.dump(nnef_kv.load(conv).document)
+    assert text.count("nnef_kv_kivi_sdpa(") == 2 and "bits = 2" in text  # a budget of 50 nats: the cheapest

@@ -71,20 +71,17 @@ def _load(model_or_path: Any) -> Any:
     return model_or_path
 
 
-def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, bits: int | None = None, key_group: int | None = None,
-            value_group: int | None = None, residual: int | None = None, sinks: int | None = None,
-            **scheme_options: Any) -> tuple[Any, ConversionReport]:
+def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, **scheme_options: Any) -> tuple[Any, ConversionReport]:
     """Convert a decoder (``Model``, or a path any front end reads: :mod:`.frontends`) to a quantized-KV model.
 
-    ``scheme`` names a :data:`nnef_kv.kv.schemes.SCHEMES` entry; the other keywords are its options (an
-    option left out or None takes the scheme's default: kivi's are bits 4, key_group 32, value_group 32,
-    residual 32, sinks 0; ``scheme_options``: those of schemes that take others).
+    ``scheme`` names a :data:`nnef_kv.kv.schemes.SCHEMES` entry; the keywords are its options (an option left
+    out or None takes the scheme's default: kivi's are bits 4, key_group 32, value_group 32, residual 32,
+    sinks 0, ...; :attr:`Scheme.options` lists each scheme's).
     Returns a new :class:`~nnef_kv.Model` (the input is not modified) and a :class:`ConversionReport`.
     Raises :class:`~nnef_kv.errors.ConversionError` for a bad option (before any work), a graph
     with no attention the passes recognise, or attention without a KV cache.
     """
-    options = ConvertOptions.of(scheme, bits=bits, key_group=key_group, value_group=value_group,
-                                residual=residual, sinks=sinks, **scheme_options)
+    options = ConvertOptions.of(scheme, **scheme_options)
     s = options.scheme_object
     model = _load(model_or_path)
     where = str(getattr(model, "source", None) or "<model>")

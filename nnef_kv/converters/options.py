@@ -3,7 +3,7 @@ and their command-line flags (declared by the schemes)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, field, fields
+from dataclasses import fields
 from typing import Any, Mapping, Sequence
 
 from ..kv import schemes as _schemes
@@ -26,39 +26,39 @@ class _SchemeNames(Sequence):
 SCHEMES = _SchemeNames()
 
 
-@dataclass(frozen=True)
 class ConvertOptions:
     """What the attention/KV caches become (the public options type of :func:`~nnef_kv.converters.convert`).
 
-    scheme: a name of :data:`nnef_kv.kv.schemes.SCHEMES`: ``kivi`` (nnef-kv's ``nnef_kv_kivi_sdpa``),
-    ``tract`` (``tract_transformers_quantized_kv_sdpa``) or ``tract-cache``
-    (``tract_transformers_quantized_dyn_kv_cache`` per cache, attention unchanged).
-    bits: code bits (kivi 1..8; tract-cache 4 or 8; tract: 8 only, its fused op stores 8-bit codes).
-    key_group / value_group / residual / sinks: KIVI's grouping, full-precision window, attention sinks.
-    extra: options of schemes that take others (name -> value).
-    An option left None is not given (the scheme's default); one the scheme does not take must be None.
-
-    :meth:`validate` is the scheme's own check (:meth:`nnef_kv.kv.schemes.Scheme.validate`).
+    ``scheme``: a name of :data:`nnef_kv.kv.schemes.SCHEMES`; the keywords: that scheme's options by name
+    (its options dataclass says which, with their defaults, flags and help; kivi's: ``bits``, ``key_group``, ...).
+    Nothing here is any one scheme's: an option left None is not given (the scheme's default); one the scheme
+    does not take is refused by :meth:`validate`, the scheme's own check
+    (:meth:`nnef_kv.kv.schemes.Scheme.validate`). Immutable and hashable.
     """
 
-    scheme: str = _schemes.DEFAULT_SCHEME
-    bits: int | None = None
-    key_group: int | None = None
-    value_group: int | None = None
-    residual: int | None = None
-    sinks: int | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict, hash=False)
+    __slots__ = ("scheme", "_given")
+
+    def __init__(self, scheme: str = _schemes.DEFAULT_SCHEME, **values: Any) -> None:
+        object.__setattr__(self, "scheme", scheme)
+        object.__setattr__(self, "_given", tuple(sorted((k, v) for k, v in values.items() if v is not None)))
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError("ConvertOptions is immutable")
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, ConvertOptions) and (self.scheme, self._given) == (other.scheme, other._given)
+
+    def __hash__(self) -> int:
+        return hash((self.scheme, self._given))
+
+    def __repr__(self) -> str:
+        return f"ConvertOptions({', '.join([repr(self.scheme)] + [f'{k}={v!r}' for k, v in self._given])})"
 
     @classmethod
     def of(cls, scheme: str = _schemes.DEFAULT_SCHEME, **values: Any) -> "ConvertOptions":
         """Validated options of ``scheme`` from ``values`` (a missing or None value: the scheme's default)."""
-        s = _schemes.scheme(scheme)
-        given = {k: v for k, v in values.items() if v is not None}
-        chosen = s.validate(given)
-        merged = {**given, **{f.name: getattr(chosen, f.name) for f in fields(chosen)}}
-        own = {f.name for f in fields(cls)} - {"scheme", "extra"}
-        return cls(scheme, **{k: v for k, v in merged.items() if k in own},
-                   extra={k: v for k, v in merged.items() if k not in own})
+        chosen = _schemes.scheme(scheme).validate({k: v for k, v in values.items() if v is not None})
+        return cls(scheme, **{f.name: getattr(chosen, f.name) for f in fields(chosen)})
 
     @property
     def scheme_object(self) -> _schemes.Scheme:
@@ -71,9 +71,7 @@ class ConvertOptions:
 
     def values(self) -> dict[str, Any]:
         """Every option given (not None) but the scheme, by name."""
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in ("scheme", "extra")}
-        out.update(self.extra)
-        return {k: v for k, v in out.items() if v is not None}
+        return dict(self._given)
 
     def validate(self) -> "ConvertOptions":
         self.scheme_object.validate(self.values())

@@ -11,13 +11,15 @@ op's registration).
 
 The converter passes, ``convert``, the CLI (``--scheme`` choices and the option flags), ``demo`` and
 ``validate`` read these objects; none of them names a scheme. A new scheme is one entry here (and
-the quantizer of its op): see ``docs/architecture-schemes.md``.
+the quantizer of its op): see ``docs/architecture.md`` (A KV scheme is one object).
 
 This module is data and small functions: it imports no converter module (the rewrite passes live in
 :mod:`nnef_kv.converters.passes` and look the scheme's ``rewrite`` up there).
 """
 from __future__ import annotations
 
+import pickle
+import sys
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, Callable, Iterable, Mapping
 
@@ -28,7 +30,8 @@ from .kivi import kivi_problem
 from .rotated import rotated_problem
 from .settings import IntSetting, Problem, first_problem
 
-__all__ = ["Scheme", "SCHEMES", "DEFAULT_SCHEME", "AttentionSite", "CacheSite", "OptionSpec", "option", "scheme",
+__all__ = ["Scheme", "SCHEMES", "BUILTIN", "register", "plugins",
+           "DEFAULT_SCHEME", "AttentionSite", "CacheSite", "OptionSpec", "option", "scheme",
            "scheme_names", "all_options", "schemes_writing", "fixed_bits", "report_settings", "Problem",
            "KiviOptions", "TractOptions", "TractCacheOptions", "GgmlOptions", "HfOptions", "RotatedOptions",
            "layer_settings"]
@@ -169,45 +172,38 @@ def _ggml_type(text: str) -> str:
     return t
 
 
-def _layer_rule(scheme_name: str, values: Mapping[str, Any]) -> tuple[Callable[[str], Any], bool]:
-    """How a scheme reads one ``--layer-bits`` value, and whether it takes KEY/VALUE entries."""
-    if scheme_name == "ggml":
-        return _ggml_type, True
-    if scheme_name == "hf":
-        backend = values.get("backend", "quanto")
-        return _bits_value(HF_BITS.get(backend, HF_BITS["quanto"])), False
-    if scheme_name == "tract-cache":
-        return _bits_value((4, 8)), True
-    if scheme_name == "rotated":
-        return _bits_value((1, 2, 3, 4)), True
-    return _bits_value(None), True  # kivi
-
-
-def _layer_problem(scheme_name: str, values: Mapping[str, Any]) -> Problem | None:
-    if not values.get("layer_bits"):
-        return None
-    value, split = _layer_rule(scheme_name, values)
-    got = LB.parse(values["layer_bits"], value, split)
-    return got if isinstance(got, Problem) else None
+def _option_values(options: Any) -> dict[str, Any]:
+    return {f.name: getattr(options, f.name) for f in fields(options)}
 
 
 def layer_settings(scheme_obj: "Scheme", options: Any, layer: int) -> tuple[Any, Any]:
     """The (keys, values) setting of attention layer ``layer`` (0-based, graph order) under ``options``:
-    its ``--layer-bits`` entry, else the scheme's uniform setting (bits, or ggml's cache types)."""
-    name = scheme_obj.name
-    if name == "ggml":
-        default = (options.key_type, options.value_type)
-    elif name in ("kivi", "rotated"):
-        default = (options.key_bits or options.bits, options.value_bits or options.bits)
-    else:
-        default = (getattr(options, "bits", None),) * 2
+    its ``--layer-bits`` entry, else the scheme's uniform setting (:attr:`Scheme.uniform`)."""
+    default = scheme_obj.uniform(options)
     text = getattr(options, "layer_bits", "")
-    if not text:
+    if not text or scheme_obj.level is None:
         return default
-    value, split = _layer_rule(name, {f.name: getattr(options, f.name) for f in fields(options)})
-    spec = LB.parse(text, value, split)
+    spec = LB.parse(text, scheme_obj.level_parser(_option_values(options)), scheme_obj.split)
     assert not isinstance(spec, Problem)  # checked when the options were made
     return LB.entry_for(spec, layer, default)
+
+
+def _bits_uniform(options: Any) -> tuple[Any, Any]:
+    b = getattr(options, "bits", None)
+    return b, b
+
+
+def _split_uniform(options: Any) -> tuple[Any, Any]:
+    """kivi, rotated: ``key_bits`` / ``value_bits`` (0: ``bits``)."""
+    return options.key_bits or options.bits, options.value_bits or options.bits
+
+
+def _split_bits_options(keys: Any, values: Any) -> dict[str, Any]:
+    return {"bits": keys, **({"value_bits": values} if values != keys else {})}
+
+
+def _bits_options(keys: Any, values: Any) -> dict[str, Any] | None:
+    return {"bits": keys} if keys == values else None
 
 
 def _kivi_check(values: Mapping[str, Any]) -> Problem | None:
@@ -216,7 +212,7 @@ def _kivi_check(values: Mapping[str, Any]) -> Problem | None:
                                                 KIVI_VARIANT_SETTINGS)
     if bad is None and "key_axis" in values and values["key_axis"] not in ("channel", "token"):
         bad = Problem("key_axis", values["key_axis"], "expected 'channel' or 'token'")
-    return bad or _layer_problem("kivi", values)
+    return bad
 
 
 def _ggml_check(values: Mapping[str, Any]) -> Problem | None:
@@ -226,12 +222,11 @@ def _ggml_check(values: Mapping[str, Any]) -> Problem | None:
     bad = first_problem({k: v for k, v in values.items() if k == "residual"}, {"residual": IntSetting(0)})
     if bad is None and "rotate" in values and not isinstance(values["rotate"], bool):
         bad = Problem("rotate", values["rotate"], "expected true or false")
-    return bad or _layer_problem("ggml", values)
+    return bad
 
 
 def _rotated_check(values: Mapping[str, Any]) -> Problem | None:
-    bad = rotated_problem(**{k: v for k, v in values.items() if k != "layer_bits"})
-    return bad or _layer_problem("rotated", values)
+    return rotated_problem(**{k: v for k, v in values.items() if k != "layer_bits"})
 
 
 def _hf_check(values: Mapping[str, Any]) -> Problem | None:
@@ -251,12 +246,11 @@ def _hf_check(values: Mapping[str, Any]) -> Problem | None:
             return Problem(k, v[k], f"HF's {be} backend takes axis {' or '.join(map(str, HF_AXES[be]))}")
     if be == "hqq" and v["bits"] == 3 and 1 in (v["axis_key"], v["axis_value"]):
         return Problem("bits", 3, "HQQ 3-bit with axis 1: HF's cache fails at its first decode step")
-    return _layer_problem("hf", v)
+    return None
 
 
 def _tract_cache_check(values: Mapping[str, Any]) -> Problem | None:
-    bad = first_problem({k: v for k, v in values.items() if k == "bits"}, TRACT_CACHE_SETTINGS)
-    return bad or _layer_problem("tract-cache", values)
+    return first_problem({k: v for k, v in values.items() if k == "bits"}, TRACT_CACHE_SETTINGS)
 
 
 # ---------------------------------------------------------------------------------------------- sites
@@ -300,6 +294,18 @@ class Scheme:
     reported_unless: Mapping[str, Any] = field(default_factory=dict)  # ... unless they hold these (defaults)
     demo: str | None = None  # "bits": demo rows at each --bits width; "tract": one row, dropped by --no-tract
     doc: str = ""
+    # ---- per-layer settings: ``--layer-bits``, compare's ``NAME:SETTING``, ``--auto-bits`` (None: one fixed setting)
+    #: the options' values (defaults filled in) -> the parser of one level as written (``"4"`` -> 4, ``"q4_0"``),
+    #: raising ValueError with the reason
+    level: Callable[[Mapping[str, Any]], Callable[[str], Any]] | None = None
+    split: bool = False  # keys and values can take different levels (KEY/VALUE entries)
+    uniform: Callable[[Any], tuple[Any, Any]] = _bits_uniform  # options -> (keys, values) without --layer-bits
+    #: (keys, values) -> the options that give that setting to every layer (None: not expressible uniformly)
+    level_options: Callable[[Any, Any], dict[str, Any] | None] = _bits_options
+    level_fields: tuple[str, ...] = ("bits",)  # the options a --layer-bits entry stands for
+    #: the options' values -> the levels ``--auto-bits`` climbs, cheapest first (None: auto-bits refuses the scheme)
+    ladder: Callable[[Mapping[str, Any]], tuple[Any, ...]] | None = None
+    level_names: bool = False  # a compare entry may be a level alone (``q4_0``, ``q4_0/q8_0``: this scheme)
 
     @property
     def extensions(self) -> tuple[tuple[str, str], ...]:
@@ -324,7 +330,7 @@ class Scheme:
         takes. Raises :class:`ConversionError` ``option name=value: reason`` (one line)."""
         mine = set(self.option_names)
         own = {k: v for k, v in values.items() if k in mine and v is not None}
-        bad = self.check(own)
+        bad = self.check(own) or self._layers_text_problem(own)
         for k, v in values.items():
             if bad is not None:
                 break
@@ -338,6 +344,42 @@ class Scheme:
         if bad is not None:
             raise ConversionError(f"option {bad}")
         return self.options(**own)
+
+    def level_parser(self, values: Mapping[str, Any]) -> Callable[[str], Any]:
+        """How one level is read under the option values ``values`` (the scheme's defaults fill the rest)."""
+        if self.level is None:
+            raise ConversionError(f"scheme {self.name} has no per-layer setting")
+        defaults = {spec.name: spec.default for spec in self.option_specs}
+        return self.level({**defaults, **{k: v for k, v in values.items() if v is not None}})
+
+    def parse_level(self, text: str, values: Mapping[str, Any] | None = None) -> Any:
+        """One level as written (``"4"``, ``"Q4_0"``) -> the level; ValueError with the reason."""
+        return self.level_parser(values or {})(text.strip())
+
+    def levels(self, values: Mapping[str, Any] | None = None) -> tuple[Any, ...]:
+        """The ladder ``--auto-bits`` climbs under ``values``, cheapest first (empty: the scheme has none)."""
+        return tuple(self.ladder(values or {})) if self.ladder is not None and self.level is not None else ()
+
+    def _layers_text_problem(self, values: Mapping[str, Any]) -> Problem | None:
+        text = values.get("layer_bits")
+        if not text:
+            return None
+        if self.level is None:
+            return Problem("layer_bits", text, f"scheme {self.name} has one setting for every layer")
+        got = LB.parse(text, self.level_parser(values), self.split)
+        return got if isinstance(got, Problem) else None
+
+    def __reduce__(self) -> tuple:
+        """Pickled by reference (its functions are lambdas): a built-in scheme by name, a plug-in as the module-level
+        name it is bound to (what a worker process imports to have it; see :func:`register`)."""
+        if BUILTIN.get(self.name) is self:
+            return scheme, (self.name,)
+        mod = getattr(self.make_attributes, "__module__", None)
+        names = [k for k, v in vars(sys.modules[mod]).items() if v is self] if mod in sys.modules else []
+        if not names:
+            raise pickle.PicklingError(f"scheme {self.name}: a plug-in scheme run in worker processes must be bound to "
+                                       f"a module-level name of the module defining its functions ({mod})")
+        return _module_scheme, (mod, names[0])
 
     def attributes(self, options: Any, site: AttentionSite | CacheSite) -> dict[str, Any]:
         """The op's attributes for one attention (``rewrite = "attention"``: every attribute but the
@@ -358,8 +400,7 @@ class Scheme:
         text = getattr(options, "layer_bits", "")
         if not text:
             return None
-        value, split = _layer_rule(self.name, {f.name: getattr(options, f.name) for f in fields(options)})
-        spec = LB.parse(text, value, split)
+        spec = LB.parse(text, self.level_parser(_option_values(options)), self.split)
         return spec if isinstance(spec, Problem) else LB.count_problem(spec, text, layers)
 
     def settings_text(self, options: Any) -> str:
@@ -419,6 +460,8 @@ SCHEMES: dict[str, Scheme] = {
         reported=("bits", "value_bits", "key_group", "value_group", "residual", "sinks", "key_axis"), demo="bits",
         reported_unless={"value_bits": 0, "key_axis": "channel"},
         window=lambda o: o.sinks + o.residual + o.key_group,
+        level=lambda v: _bits_value(None), split=True, uniform=_split_uniform, level_options=_split_bits_options,
+        level_fields=("bits", "key_bits", "value_bits"), ladder=lambda v: (2, 3, 4, 5, 6, 8),
         doc="nnef-kv's accurate op: KIVI codes (keys per channel, values per token), a full-precision window "
             "and sinks, causal mask built in"),
     "tract": Scheme(
@@ -433,6 +476,7 @@ SCHEMES: dict[str, Scheme] = {
         name="tract-cache", op="tract_transformers_quantized_dyn_kv_cache",
         summary="tract_transformers_quantized_dyn_kv_cache (4 or 8 bits)", rewrite="cache", options=TractCacheOptions,
         check=_tract_cache_check, make_attributes=_tract_cache_attributes,
+        level=lambda v: _bits_value((4, 8)), split=True, ladder=lambda v: (4, 8),
         reported=("bits", "per_channel"),
         doc="each cache becomes tract's quantized dyn cache (keys per channel, values per token); the attention "
             "is left as exported"),
@@ -440,6 +484,9 @@ SCHEMES: dict[str, Scheme] = {
         name="ggml", op="nnef_kv_ggml_sdpa", summary="nnef_kv_ggml_sdpa (llama.cpp cache types --key-type / "
         "--value-type)", rewrite="attention", options=GgmlOptions, check=_ggml_check,
         make_attributes=_ggml_attributes,
+        level=lambda v: _ggml_type, split=True, uniform=lambda o: (o.key_type, o.value_type),
+        level_options=lambda k, v: {"key_type": k, "value_type": v}, level_fields=("key_type", "value_type"),
+        ladder=lambda v: ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0"), level_names=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("key_type", "value_type", "residual", "rotate"), reported_unless={"rotate": False},
         notes=lambda o: ["--rotate: llama.cpp's Walsh-Hadamard rotation of quantized K/V, applied by the op where "
@@ -451,6 +498,8 @@ SCHEMES: dict[str, Scheme] = {
         name="hf", op="nnef_kv_hf_quantized_sdpa", summary="nnef_kv_hf_quantized_sdpa (Hugging Face "
         "QuantizedCache, quanto 2/4 bits or hqq)", rewrite="attention", options=HfOptions, check=_hf_check,
         make_attributes=_hf_attributes,
+        level=lambda v: _bits_value(HF_BITS.get(v["backend"], HF_BITS["quanto"])),
+        ladder=lambda v: HF_BITS.get(v.get("backend", "quanto"), HF_BITS["quanto"]),
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("backend", "bits", "group_size", "residual", "axis_key", "axis_value"),
         doc="transformers 5.x QuantizedCache: the prefill attends exactly and is stored quantized, later calls "
@@ -459,6 +508,8 @@ SCHEMES: dict[str, Scheme] = {
         name="rotated", op="nnef_kv_rotated_sdpa", summary="nnef_kv_rotated_sdpa (random-sign Hadamard + "
         "Lloyd-Max codebook, 1..4 bits, one f16 norm a vector)", rewrite="attention", options=RotatedOptions,
         check=_rotated_check, make_attributes=_rotated_attributes,
+        level=lambda v: _bits_value((1, 2, 3, 4)), split=True, uniform=_split_uniform,
+        level_options=_split_bits_options, level_fields=("bits", "key_bits", "value_bits"), ladder=lambda v: (2, 3, 4),
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("bits", "value_bits", "residual", "sinks"), reported_unless={"value_bits": 0},
         window=lambda o: o.sinks + o.residual,
@@ -467,7 +518,32 @@ SCHEMES: dict[str, Scheme] = {
 }
 
 
+#: the schemes nnef-kv ships (a plug-in is any other entry of SCHEMES: :func:`register`, :func:`plugins`)
+BUILTIN: dict[str, Scheme] = dict(SCHEMES)
+
+
 # ---------------------------------------------------------------------------------------------- queries
+def register(s: Scheme) -> Scheme:
+    """Add a plug-in scheme (one more entry of :data:`SCHEMES`). For ``compare`` and ``--auto-bits``, whose
+    workers are new processes, bind it to a module-level name of the module that defines its functions: it
+    travels to them by that name (:meth:`Scheme.__reduce__`)."""
+    if s.name in BUILTIN:
+        raise ConversionError(f"scheme {s.name}: a built-in scheme has that name")
+    SCHEMES[s.name] = s
+    return s
+
+
+def plugins() -> tuple[Scheme, ...]:
+    """The registered schemes nnef-kv does not ship."""
+    return tuple(s for n, s in SCHEMES.items() if BUILTIN.get(n) is not s)
+
+
+def _module_scheme(module: str, name: str) -> Scheme:
+    import importlib
+
+    return getattr(importlib.import_module(module), name)
+
+
 def scheme(name: Any) -> Scheme:
     """The scheme called ``name``; a one-line :class:`ConversionError` listing the choices otherwise."""
     try:

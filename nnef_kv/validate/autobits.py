@@ -2,10 +2,10 @@
 
 Method (every figure is measured by ``validate``'s machinery on the user's text, at one context):
 
-1. **Ladder.** The scheme's settings from cheapest to most precise (:data:`LADDERS`: kivi 2, 3, 4, 5, 6,
+1. **Ladder.** The scheme's settings from cheapest to most precise (its ``Scheme.ladder``: kivi 2, 3, 4, 5, 6,
    8 bits; ggml q4_0, iq4_nl, q4_1, q5_0, q5_1, q8_0 (q4_0 and iq4_nl take the same bytes: a unit may take
    either, one is often better for keys, the other for values); hf 2, 4 (quanto) or 1, 2, 3, 4, 8 (HQQ);
-   tract-cache 4, 8).
+   tract-cache 4, 8; rotated 2, 3, 4; :data:`LADDERS` is the view of them by name).
    ``--ladder`` keeps a subset of it. A *unit* is one group of consecutive layers' keys or its values (the
    keys and values together when the scheme has one width for both: hf); a group is one layer up to
    :data:`AUTO_GROUPS` layers, else the layers are cut into that many groups (``--layer-groups N``): each
@@ -58,7 +58,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from ..errors import InputError
 from .autobits_units import (AUTO_GROUPS, GRID, _as_groups, _group_name, _levels, _setting, _unit_bytes, _units,
@@ -68,10 +68,27 @@ from .compare import CompareOptions, SchemeRow, SchemeSpec, job_steps, prepare, 
 __all__ = ["AUTO_GROUPS", "GRID", "LADDERS", "AutoBitsResult", "auto_bits", "knapsack", "layer_groups", "pick_ladder",
            "scheme_ladder"]
 
-LADDERS: dict[str, tuple[Any, ...]] = {
-    "kivi": (2, 3, 4, 5, 6, 8), "ggml": ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0"), "hf": (2, 4),
-    "hf-hqq": (1, 2, 3, 4, 8), "tract-cache": (4, 8), "rotated": (2, 3, 4)}
-SPLIT = {"kivi": True, "ggml": True, "hf": False, "tract-cache": True, "rotated": True}
+
+
+class _Ladders(Mapping):
+    """The registered schemes' ladders at their default options, by name (a live view: ``Scheme.ladder``)."""
+
+    def _all(self) -> dict[str, tuple[Any, ...]]:
+        from ..kv.schemes import SCHEMES
+
+        return {n: s.levels() for n, s in SCHEMES.items() if s.levels()}
+
+    def __getitem__(self, name: str) -> tuple[Any, ...]:
+        return self._all()[name]
+
+    def __iter__(self):
+        return iter(self._all())
+
+    def __len__(self) -> int:
+        return len(self._all())
+
+
+LADDERS: Mapping[str, tuple[Any, ...]] = _Ladders()
 ROUNDS = 6  # verification rounds (two candidates each)
 REFINE_ROUNDS = 12  # measured local-search rounds after them (two candidates each)
 CLIMB_ROUNDS = 3  # rounds of step 7 measuring more settings on more tokens (two each) when the cheap ones fail
@@ -164,11 +181,15 @@ class AutoBitsResult:
 
 
 def scheme_ladder(scheme: str, options: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
-    if scheme not in SPLIT:
+    """The scheme's ladder under ``options`` and whether keys and values take levels apart."""
+    from ..kv.schemes import SCHEMES, scheme as get
+
+    s = get(scheme)
+    full = s.levels(options)
+    if not full:
         raise InputError(f"--auto-bits: scheme {scheme} has no bit width to choose (schemes with one: "
-                         f"{', '.join(SPLIT)})")
-    key = "hf-hqq" if scheme == "hf" and options.get("backend") == "hqq" else scheme
-    return LADDERS[key], SPLIT[scheme]
+                         f"{', '.join(n for n, x in SCHEMES.items() if x.levels())})")
+    return full, s.split
 
 
 def pick_ladder(scheme: str, full: Sequence[Any], given: Sequence[Any]) -> tuple[Any, ...]:
@@ -188,9 +209,10 @@ def pick_ladder(scheme: str, full: Sequence[Any], given: Sequence[Any]) -> tuple
 
 def _spec(scheme: str, options: dict[str, Any], setting: list[tuple[Any, Any]], label: str) -> SchemeSpec:
     from ..kv.layer_bits import format_spec
+    from ..kv.schemes import scheme as get
 
-    opts = {k: v for k, v in options.items() if k not in ("bits", "key_bits", "value_bits", "key_type", "value_type",
-                                                           "layer_bits")}
+    dropped = set(get(scheme).level_fields) | {"layer_bits"}  # the options a --layer-bits entry stands for
+    opts = {k: v for k, v in options.items() if k not in dropped}
     opts["layer_bits"] = format_spec(setting)
     return SchemeSpec(label, scheme, tuple(sorted(opts.items())))
 

@@ -60,17 +60,15 @@ def _value(text: str) -> Any:
 def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
     """``NAME[:SETTING][+option=value...]``.
 
-    ``NAME`` is a registered scheme (``kivi``, ``tract``, ``tract-cache``, ``ggml``, ``hf``) or a llama.cpp
-    cache type (``q8_0``: scheme ``ggml`` with that type for keys and values). ``SETTING`` is the bits
-    (``kivi:4``, ``hf:2``, ``tract-cache:8``, ``rotated:3``), ``KEY/VALUE`` bits for kivi and rotated
-    (``kivi:4/2``, ``rotated:4/3``), or the cache
-    types for ggml (``ggml:q4_0/q8_0``, also written ``q4_0/q8_0``). ``+option=value`` sets any option of
-    the scheme by its ``convert`` name (``kivi:4+residual=64+key_axis=token``, ``hf:4+backend=hqq``; a
-    ``;`` in a value is a comma: ``kivi+layer_bits=8;4/2;4``); ``+rotate`` alone is ``+rotate=true``
-    (llama.cpp's rotation for the ggml types: ``q4_0+rotate``).
-    Checked against the scheme's own rules (one line naming the entry)."""
+    ``NAME`` is a registered scheme (``kivi``, ``tract``, ``tract-cache``, ``ggml``, ``hf``, ``rotated``) or a
+    level of a scheme whose ``Scheme.level_names`` says so (a llama.cpp cache type ``q8_0``: scheme ``ggml``
+    with that type for keys and values). ``SETTING`` is one level or ``KEY/VALUE`` levels, given to every layer
+    by the scheme's ``level_options`` (``kivi:4``, ``hf:2``, ``tract-cache:8``, ``kivi:4/2``, ``rotated:4/3``,
+    ``ggml:q4_0/q8_0``, also written ``q4_0/q8_0``); KEY/VALUE where the scheme can express it. ``+option=value``
+    sets any option of the scheme by its ``convert`` name (``kivi:4+residual=64+key_axis=token``,
+    ``hf:4+backend=hqq``; a ``;`` in a value is a comma: ``kivi+layer_bits=8;4/2;4``); an on/off option given
+    bare is on (``q4_0+rotate``). Checked against the scheme's own rules (one line naming the entry)."""
     from ..kv import schemes as S
-    from ..kv.ggml_sdpa import CACHE_TYPES
 
     raw = text.strip()
     if not raw:
@@ -79,37 +77,26 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
     name, _, setting = head.partition(":")
     name = name.strip().lower()
     opts: dict[str, Any] = {}
-    if name.split("/")[0] in CACHE_TYPES:  # q4_0, q4_0/q8_0
-        setting, name = name, "ggml"
     if name not in S.SCHEMES:
-        raise InputError(f"{flag} {raw!r}: unknown scheme {name!r} (schemes: {', '.join(S.SCHEMES)}; or a llama.cpp "
-                         f"cache type: {', '.join(CACHE_TYPES)})")
-    if setting:
-        halves = setting.split("/")
-        if len(halves) > 2:
-            raise InputError(f"{flag} {raw!r}: at most one '/' (KEY/VALUE)")
-        if name == "ggml":
-            opts["key_type"], opts["value_type"] = halves[0], halves[-1]
-        else:
-            try:
-                bits = [int(h) for h in halves]
-            except ValueError:
-                raise InputError(f"{flag} {raw!r}: {setting!r} is not a bit width (or KEY/VALUE bits)") from None
-            if len(bits) == 2 and name not in ("kivi", "rotated"):
-                raise InputError(f"{flag} {raw!r}: KEY/VALUE bits are for kivi and rotated (scheme {name} has one "
-                                 f"bit width)")
-            opts["bits"] = bits[0]
-            if len(bits) == 2 and bits[1] != bits[0]:
-                opts["value_bits"] = bits[1]
+        named = next((s for s in S.SCHEMES.values() if s.level_names and _is_level(s, name.split("/")[0])), None)
+        if named is None:
+            alias = [s.name for s in S.SCHEMES.values() if s.level_names]
+            raise InputError(f"{flag} {raw!r}: unknown scheme {name!r} (schemes: {', '.join(S.SCHEMES)}"
+                             + "".join(f"; or a level of {a}: {', '.join(map(str, S.SCHEMES[a].levels()))}"
+                                       for a in alias) + ")")
+        setting, name = name, named.name  # q4_0, q4_0/q8_0: scheme ggml with those types
+    scheme = S.scheme(name)
+    switches = {o.name for o in scheme.option_specs if o.type is bool}
     for ex in extras:
-        if ex.strip().lower() == "rotate":  # q4_0+rotate: an on/off option given bare
-            opts["rotate"] = True
+        if ex.strip().lower().replace("-", "_") in switches:  # q4_0+rotate: an on/off option given bare
+            opts[ex.strip().lower().replace("-", "_")] = True
             continue
         k, eq, v = ex.partition("=")
         if not eq or not k.strip():
             raise InputError(f"{flag} {raw!r}: {ex!r} is not option=value")
         opts[k.strip().replace("-", "_")] = _value(v.strip().replace(";", ","))  # layer_bits=8;4;4 (commas split)
-    scheme = S.scheme(name)
+    if setting:
+        opts = {**_setting_options(scheme, setting, opts, raw, flag), **opts}
     unknown = [k for k in opts if k not in scheme.option_names]
     if unknown:
         raise InputError(f"{flag} {raw!r}: scheme {name} has no option {unknown[0]!r} (it takes "
@@ -119,6 +106,33 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
     except NnefKvError as exc:
         raise InputError(f"{flag} {raw!r}: {exc}") from None
     return SchemeSpec(raw, name, tuple(sorted(opts.items())))
+
+
+def _is_level(scheme: Any, text: str) -> bool:
+    try:
+        scheme.parse_level(text)
+    except ValueError:
+        return False
+    return True
+
+
+def _setting_options(scheme: Any, setting: str, given: dict[str, Any], raw: str, flag: str) -> dict[str, Any]:
+    """``SETTING`` of ``NAME:SETTING`` (one level, or KEY/VALUE levels) -> the scheme's options giving it to every
+    layer (read under the ``+option=value`` options ``given``: hf's bits depend on its backend)."""
+    from ..kv import schemes as S
+
+    halves = setting.split("/")
+    if len(halves) > 2:
+        raise InputError(f"{flag} {raw!r}: at most one '/' (KEY/VALUE)")
+    if scheme.level is None:
+        raise InputError(f"{flag} {raw!r}: scheme {scheme.name} has one fixed setting (give no ':SETTING')")
+    keys, values = (_value(h.strip()) for h in (halves[0], halves[-1]))  # checked by the scheme, as options
+    opts = scheme.level_options(keys, values) if scheme.split or keys == values else None
+    if opts is None:
+        both = [s.name for s in S.SCHEMES.values() if s.split and s.level_options(0, 1) is not None]
+        raise InputError(f"{flag} {raw!r}: KEY/VALUE bits are for {', '.join(both)} (scheme {scheme.name} has one "
+                         f"setting for keys and values)")
+    return opts
 
 
 def parse_specs(text: str | Sequence[str], flag: str = "--schemes") -> list[SchemeSpec]:
@@ -168,6 +182,7 @@ class SchemeRow:
     tract_runs: bool | None = None
     tract_detail: str = ""
     seconds: float = 0.0
+    family: str = ""  # the registry scheme the row measures (the plot's colour): ``ggml`` for ``q4_0+rotate``
 
     def at(self, context: int) -> dict[str, Any]:
         return next((c for c in self.per_context if c["context"] == context), {})
@@ -183,7 +198,8 @@ class SchemeRow:
         d: dict[str, Any] = {"scheme": self.scheme, "status": self.status, "reason": self.reason,
                              "short_reason": short_reason(self.reason), "settings": self.settings,
                              "tract_runs": self.tract_runs, "tract_detail": self.tract_detail,
-                             "contexts": list(contexts), "per_context": per, "seconds": self.seconds}
+                             "contexts": list(contexts), "per_context": per, "seconds": self.seconds,
+                             "family": self.family}
         for k in ROW_KEYS:
             vals = {str(c): self.at(c).get(k) for c in contexts}
             d[k] = vals[str(contexts[0])] if len(contexts) == 1 else vals
@@ -231,6 +247,7 @@ class JobInput:
     eval_tokens: int = 0  # per window
     starts: list[int] = field(default_factory=list)  # each window's first predicted token
     plan: Any = None  # the runner's Plan (all windows; ``starts`` may be a part of them)
+    schemes: tuple[Any, ...] = ()  # the plug-in schemes registered here (pickled by reference): a worker registers them
 
 
 def _context_figures(res: Any) -> dict[str, Any]:
@@ -299,8 +316,12 @@ def run_job(job: JobInput, spec: SchemeSpec, progress: Callable[[], None] | None
     from ..text import TokenSource
     from .runner import validate_model
 
+    from ..kv.schemes import SCHEMES
+
+    for plug in job.schemes:  # a worker process: the schemes registered where the job was made
+        SCHEMES.setdefault(plug.name, plug)
     t0 = time.perf_counter()
-    row = SchemeRow(spec.text, "failed")
+    row = SchemeRow(spec.text, "failed", family=spec.scheme)
     tick = progress or (lambda: None)
     try:
         converted, _ = convert(job.model, scheme=spec.scheme, **spec.kwargs)
@@ -338,7 +359,7 @@ def worker_died(spec: SchemeSpec, exc: BaseException) -> SchemeRow:
     """The row of a scheme whose job's worker process died (its own errors are caught in :func:`run_job`)."""
     text = str(exc).splitlines()[0] if str(exc) else ""
     why = f"the job's worker died: {type(exc).__name__}" + (f": {text}" if text else "")
-    return SchemeRow(spec.text, "failed", why)
+    return SchemeRow(spec.text, "failed", why, family=spec.scheme)
 
 
 def job_steps(options: CompareOptions, contexts: list[int], windows: int = 1) -> int:
@@ -383,8 +404,10 @@ def prepare(model: Any, source: Any, options: CompareOptions, label: str,
     plan = resolve_plan(vo, len(source.ids), max_positions(ref_dec.session), list(windows or []), names)
     starts = pick(list(plan.starts)) if pick else plan.starts
     runs = {c: _measure(ref_dec, source.ids, c, plan.eval_tokens, options.chunk, None, starts) for c in plan.contexts}
+    from ..kv.schemes import plugins
+
     job = JobInput(_portable(model), list(source.ids), source.description, options, plan.contexts, runs,
-                   plan.eval_tokens, starts, plan)
+                   plan.eval_tokens, starts, plan, plugins())
     return job, list(source.notes) + plan.notes
 
 
@@ -420,7 +443,7 @@ def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options:
                                  title="compare", on_error=worker_died)
     except Interrupted as stop:  # Ctrl-C: keep the rows measured
         interrupted, runner = True, stop.where
-        rows = [r if r is not None else SchemeRow(sp.text, "failed", "not run: interrupted (Ctrl-C)")
+        rows = [r if r is not None else SchemeRow(sp.text, "failed", "not run: interrupted (Ctrl-C)", family=sp.scheme)
                 for r, sp in zip(stop.results, specs)]
         notes.append(f"interrupted (Ctrl-C): {sum(r is not None for r in stop.results)} of {len(specs)} schemes "
                      f"measured, the others not run")

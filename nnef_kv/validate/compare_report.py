@@ -113,10 +113,6 @@ def render_json(rep: CompareReport) -> str:
     return json.dumps(_json_safe(rep.to_dict()), indent=1)
 
 
-def _family(name: str) -> str:
-    return "ggml" if name[0] == "q" else name.split(":")[0].split("+")[0]
-
-
 def render_plot(rep: CompareReport) -> bytes:
     """Per context: KV bytes held (x) against mean KL (y) with its 95% interval (error bars), log-log; the
     significant Pareto front joined and ringed. Each point carries a number joined to it by a leader line,
@@ -130,7 +126,7 @@ def render_plot(rep: CompareReport) -> bytes:
     n = max(1, len(rep.contexts))
     fig, axes = plt.subplots(1, n, figsize=(9.5 * n, 6.0), squeeze=False)
     for ax, ctx in zip(axes[0], rep.contexts or [0]):
-        pts, names, front, errs = [], [], [], []
+        pts, names, front, errs, fam = [], [], [], [], []
         for r in rep.rows:
             s = r.at(ctx)
             if r.status == "measured" and finite(s.get("kv_bytes")) and finite(s.get("kl_mean")):
@@ -139,12 +135,12 @@ def render_plot(rep: CompareReport) -> bytes:
                 pts.append((float(s["kv_bytes"]), k))
                 errs.append((k - max(float(ci[0]), 1e-12), max(float(ci[1]), k) - k))
                 names.append(r.scheme)
+                fam.append(r.family or r.scheme)
                 front.append(bool(s.get("pareto")))
-        fams = sorted({_family(nm) for nm in names})
-        colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(fams)}
-        for i, ((b, k), nm, on, e) in enumerate(zip(pts, names, front, errs)):
+        colors = {f: plt.cm.tab10(i % 10) for i, f in enumerate(sorted(set(fam)))}
+        for i, ((b, k), nm, on, e, f) in enumerate(zip(pts, names, front, errs, fam)):
             ax.errorbar([b], [k], yerr=[[min(e[0], k * 0.999)], [e[1]]], fmt="o", ms=8 if on else 5,
-                        color=colors[_family(nm)], mec="k" if on else colors[_family(nm)], capsize=3, lw=1,
+                        color=colors[f], mec="k" if on else colors[f], capsize=3, lw=1,
                         zorder=3, label=f"{i + 1}: {nm}" + (" (front)" if on else ""))
         fr = sorted(p for p, on in zip(pts, front) if on)
         if fr:
