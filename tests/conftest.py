@@ -43,3 +43,22 @@ def pytest_configure(config: pytest.Config) -> None:
         import os
 
         os.environ["NNEF_KV_FUZZ_PROFILE"] = "long"
+
+
+# ---------------------------------------------------------------------------------------------- skip summary
+def skip_reason(report) -> str:
+    lr = report.longrepr
+    return str(lr[2]) if isinstance(lr, tuple) and len(lr) == 3 else str(lr)
+
+
+def shared_skips(reports) -> list:
+    """The skipped reports whose reason is ../shared (or a file in it) missing."""
+    return [r for r in reports if str(SHARED) in skip_reason(r) or "shared material" in skip_reason(r)]
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus, config) -> None:
+    """Every test skipped for want of ../shared in one line (where it was looked for, how many)."""
+    n = len(shared_skips(terminalreporter.stats.get("skipped", [])))
+    if n:
+        terminalreporter.write_line(f"{n} test(s) skipped: ../shared (the team's read-only material) not found at "
+                                    f"{SHARED}, or a file in it missing; every other test ran")

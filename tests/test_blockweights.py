@@ -107,7 +107,7 @@ def test_q4_exports_keep_their_blocks(name: str) -> None:
     numerics against the exporter's test outputs and tract: tests/test_exports.py)."""
     path = FIXTURES / "exports" / name / "model.nnef.tgz"
     if not path.is_file():
-        pytest.skip("fixture export not found")
+        pytest.skip(f"{path} not found")
     plan = get_plan(nnef_kv.load(path))
     assert plan.info["block_products"] >= 7 * 2 and "dequantized_weights" not in plan.info
 

@@ -34,3 +34,14 @@ def test_relative_links_resolve(page):
     text = re.sub(r"`[^`\n]*`", "", page.read_text())  # code spans are not links
     broken = [t for t in LINK.findall(text) if "://" not in t and not (page.parent / t).exists()]
     assert not broken, f"{page.name}: broken links {broken}"
+
+
+def test_skips_for_want_of_shared_are_counted_in_one_line():
+    from types import SimpleNamespace
+
+    from conftest import SHARED, shared_skips
+
+    reps = [SimpleNamespace(longrepr=("t.py", 1, f"Skipped: {SHARED / 'fixtures' / 'x.npz'} not found")),
+            SimpleNamespace(longrepr=("t.py", 2, f"Skipped: shared material not found at {SHARED}")),
+            SimpleNamespace(longrepr=("t.py", 3, "Skipped: numba is not installed"))]
+    assert shared_skips(reps) == reps[:2]
