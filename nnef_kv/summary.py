@@ -13,6 +13,13 @@ import numpy as np
 
 from .grammar import ast
 
+
+def _inputs() -> frozenset[str]:
+    """The ops declaring graph inputs (the ``input`` fact)."""
+    from .interpreter.catalog import ops_having
+
+    return ops_having("input")
+
 def kv_ops() -> dict[str, str]:
     """Ops that hold a KV cache in the session (registered with role ``kv-cache`` or ``attention+kv``),
     with their registered one-line description."""
@@ -111,7 +118,7 @@ def summarize(model: Any) -> Summary:
                     desc = kv_described[inv.name] + (f"; {settings}" if settings else "")
                     kv.append((names[0] if names else "?", inv.name, desc))
             rhs = stmt.rhs
-            if isinstance(rhs, ast.Invocation) and rhs.name in ("external", "tract_core_external") and names:
+            if isinstance(rhs, ast.Invocation) and rhs.name in _inputs() and names:
                 named = rhs.named()
                 shape = named.get("shape") or (rhs.positional()[0] if rhs.positional() else None)
                 if rhs.name == "external":

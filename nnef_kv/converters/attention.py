@@ -30,11 +30,14 @@ from typing import Any
 
 from ..errors import ConversionError
 from ..grammar import ast as A
+from ..interpreter.catalog import ops_having
 from .graph_edit import GraphEdit, Node, int_list, static_value
 
-PASSTHROUGH = ("tract_core_cast", "cast", "copy")
-REPEAT_OPS = ("unsqueeze", "tile", "tract_core_broadcast", "reshape")
-SOFTMAX_OPS = ("softmax",)
+#: what the recognizer walks through, from the registry's facts: casts and copies; the steps of a K/V head
+#: expansion (repeat_kv); the softmaxes (``softmax`` and ``tract_core_softmax``: tract reads them alike)
+PASSTHROUGH = tuple(sorted(ops_having("passthrough")))
+REPEAT_OPS = tuple(sorted(ops_having("kv_expand")))
+SOFTMAX_OPS = tuple(sorted(ops_having("softmax")))
 DYN_CACHE_OP = "tract_transformers_dyn_kv_cache"
 #: what a score transform may be, for messages
 SCORE_TRANSFORMS = "a cast, a constant scale (mul/div by a scalar), tanh softcapping or an additive mask"
@@ -187,7 +190,7 @@ def _key_of_scores(g: GraphEdit, n: Node) -> tuple[str, str, float] | None:
         if m.op in PASSTHROUGH:
             cur = _first_input(m) or ""
             continue
-        if m.op in ("mul", "div") and g.scalar_const(m.arg("y")) is not None and m.arg_name("x"):
+        if m.op in ("mul", "div") and g.scalar_const(m.arg("y")) is not None and m.arg_name("x"):  # op pattern
             c = g.scalar_const(m.arg("y"))
             factor = factor * c if m.op == "mul" else factor / c
             cur = m.arg_name("x") or ""
@@ -209,7 +212,7 @@ def _const_operand(g: GraphEdit, n: Node) -> tuple[float, str] | None:
     if cy is not None and isinstance(x, A.Identifier):
         return cy, x.name
     cx = g.scalar_const(x)
-    if cx is not None and isinstance(y, A.Identifier) and n.op in ("mul", "add"):
+    if cx is not None and isinstance(y, A.Identifier) and n.op in ("mul", "add"):  # op pattern
         return cx, y.name
     return None
 
@@ -232,7 +235,7 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0) -> tuple[Node, list[tup
         if op in PASSTHROUGH:
             cur = _first_input(n) or ""
             continue
-        if op in ("mul", "div"):
+        if op in ("mul", "div"):  # op pattern
             got = _const_operand(g, n)
             if got is None:
                 raise _Stop(n.name, op, f"{SCORE_TRANSFORMS} (a {op} by a tensor that is not a scalar constant)")
@@ -243,7 +246,7 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0) -> tuple[Node, list[tup
             ops.append(("tanh", None, n.name))
             cur = n.arg_name("x") or ""
             continue
-        if op in ("add", "sub"):
+        if op in ("add", "sub"):  # op pattern
             got = _const_operand(g, n)
             if got is not None:
                 ops.append(("bias", got[0] if op == "add" else -got[0], n.name))
@@ -281,10 +284,10 @@ def _interpret(ops: list[tuple]) -> tuple[float, float | None, str | None, list[
     i = 0
     while i < len(ops):
         kind, val, node = ops[i]
-        if kind in ("mul", "div") and i < end_scale and mask is None and softcap is None:
+        if kind in ("mul", "div") and i < end_scale and mask is None and softcap is None:  # op pattern
             scale = scale * val if kind == "mul" else scale / val
         elif kind == "tanh" and softcap is None and mask is None and i >= 1 and i + 1 < len(ops) \
-                and ops[i - 1][0] in ("div", "mul") and ops[i + 1][0] == "mul":
+                and ops[i - 1][0] in ("div", "mul") and ops[i + 1][0] == "mul":  # op pattern
             pre = ops[i - 1][1] if ops[i - 1][0] == "div" else (1.0 / ops[i - 1][1] if ops[i - 1][1] else 0.0)
             post = ops[i + 1][1]
             if pre and abs(pre - post) <= 1e-6 * abs(post):
@@ -296,10 +299,10 @@ def _interpret(ops: list[tuple]) -> tuple[float, float | None, str | None, list[
             mask = val
         elif kind == "bias" and val == 0:
             pass  # x + 0
-        elif kind in ("div", "mul") and i == end_scale and tanh_at:
+        elif kind in ("div", "mul") and i == end_scale and tanh_at:  # op pattern
             pass  # the softcap's divisor: read with the tanh
         else:
-            what = {"bias": f"adds the constant {val:g}", "mask": "adds a second mask", "tanh": "a tanh",
+            what = {"bias": f"adds the constant {val:g}", "mask": "adds a second mask", "tanh": "a tanh",  # op pattern
                     "mul": f"multiplies by {val:g} after the mask or the softcap",
                     "div": f"divides by {val:g} after the mask or the softcap"}.get(kind, kind)
             bad.append(f"'{node}' ({what})")

@@ -12,7 +12,6 @@ and their readers, which changes no value.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, is_dataclass, replace
 from typing import Any, Iterable
 
@@ -21,7 +20,7 @@ import numpy as np
 from ..errors import ConversionError
 from ..grammar import ast as A
 from ..grammar.ast import identifiers, rename
-from ..interpreter.catalog import lookup, ops_with
+from ..interpreter.catalog import lookup, ops_having, ops_with
 
 #: NNEF's ``shape_of`` is an attribute builtin (no registered op): its one parameter, for :meth:`Node.arg`
 _BUILTIN_PARAMS: dict[str, tuple[str, ...]] = {"shape_of": ("x",)}
@@ -38,8 +37,10 @@ def stateful_ops() -> frozenset[str]:
     return ops_with(stateful=True)
 
 
-#: the sources that declare graph inputs
-SOURCE_OPS = frozenset({"external", "tract_core_external"})
+#: the sources that declare graph inputs (the ``input`` fact)
+SOURCE_OPS = ops_having("input")
+#: ops whose value on a one-element operand is that element (a cast, a copy, a reshape)
+_SCALAR_SAME = ops_having("view") | ops_having("passthrough")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -405,23 +406,14 @@ class GraphEdit:
             v = static_value(n.arg("value")) if n.arg("value") is not None else None
             arr = np.asarray(v, dtype=np.float64).ravel() if v is not None else np.zeros(0)
             return float(arr[0]) if arr.size == 1 else None
-        if op in ("tract_core_cast", "unsqueeze", "squeeze", "reshape", "copy"):
-            first = "x" if op == "copy" else "input"
-            return self.scalar_const(n.arg(first), depth + 1)
-        if op in ("sqrt", "rsqrt", "neg", "rcp", "recip"):
-            v = self.scalar_const(n.arg("x"), depth + 1)
-            if v is None:
-                return None
-            if op == "sqrt":
-                return math.sqrt(v) if v >= 0 else None
-            if op == "rsqrt":
-                return 1.0 / math.sqrt(v) if v > 0 else None
-            if op == "neg":
-                return -v
-            return 1.0 / v if v != 0 else None
-        if op in ("add", "sub", "mul", "div"):
-            a, b = self.scalar_const(n.arg("x"), depth + 1), self.scalar_const(n.arg("y"), depth + 1)
-            return _arith({"add": "+", "sub": "-", "mul": "*", "div": "/"}[op], a, b)
+        prim = lookup(op)
+        if prim is None:
+            return None
+        if op in _SCALAR_SAME:  # a cast, copy or reshape of a scalar is that scalar
+            return self.scalar_const(n.arg(prim.params[0]), depth + 1)
+        if prim.scalar is not None and len(prim.params) in (1, 2):  # the op's own rule on numbers
+            vals = [self.scalar_const(n.arg(p), depth + 1) for p in prim.params]
+            return None if any(v is None for v in vals) else prim.scalar(*vals)
         return None
 
     # -- declarations --------------------------------------------------------------------------

@@ -130,7 +130,7 @@ class _Parser:
             return f
         if kind == "id":
             name = self.take()
-            if name in ("min", "max") and self.peek() == "(":
+            if name in ("min", "max") and self.peek() == "(":  # not op names
                 self.take("(")
                 args = [self.expr()]
                 while self.peek() == ",":

@@ -11,7 +11,7 @@ from typing import Any
 
 from .registry import PRIMITIVES, Primitive
 
-__all__ = ["lookup", "PRIMITIVES", "ops_with", "extensions_for", "FAMILIES"]
+__all__ = ["lookup", "PRIMITIVES", "ops_with", "ops_having", "extensions_for", "FAMILIES"]
 
 #: the modules that register operations (interpreter op families, then the KV ops)
 FAMILIES = (
@@ -43,6 +43,16 @@ def ops_with(**query: Any) -> frozenset[str]:
     (``ops_with(stateful=True)``, ``ops_with(role="kv-cache")``, ``ops_with(positional=True)``)."""
     _load()
     return frozenset(name for name, p in PRIMITIVES.items() if all(getattr(p, k) == v for k, v in query.items()))
+
+
+def ops_having(fact: str) -> frozenset[str]:
+    """Names of the registered ops declaring ``fact`` (a name of :data:`.registry.FACTS`)."""
+    from .registry import FACTS
+
+    if fact not in FACTS:
+        raise KeyError(f"{fact!r} is not a fact an op can declare ({', '.join(FACTS)})")
+    _load()
+    return frozenset(name for name, p in PRIMITIVES.items() if fact in p.facts)
 
 
 def extensions_for(op: str) -> tuple[tuple[str, str], ...]:

@@ -99,7 +99,9 @@ class QuantMixin:
     def _quantized_bias(self, op: str, ins: list[Any]) -> list[Any]:
         """tract: the integer bias of a conv/matmul on quantized input and filter is in accumulator units
         (scale = input scale * filter scale)."""
-        if op not in ("conv", "deconv", "linear") or len(ins) < 3 or not all(isinstance(i, int) for i in ins[:3]):
+        from .catalog import ops_having
+
+        if op not in ops_having("quantized_bias") or len(ins) < 3 or not all(isinstance(i, int) for i in ins[:3]):
             return ins
         x, w, b = ins[:3]
         if x not in self.slot_quant or w not in self.slot_quant or b not in self.constants:

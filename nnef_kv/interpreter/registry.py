@@ -108,6 +108,23 @@ class KvState(abc.ABC):
 
 
 #: :meth:`KvState.checkpoint`'s answer when the state cannot be checkpointed cheaply
+#: what a registration can say about an op (``facts``); every set of op names a tool needs is one of these, asked of
+#: the registry (:func:`nnef_kv.interpreter.catalog.ops_having`), never written out elsewhere
+FACTS = {
+    "input": "declares a graph input (its value comes from the caller)",
+    "view": "its result is its first operand's values under another shape, in the same order",
+    "numpy_view": "applied as a NumPy view of its first operand (np.reshape / np.transpose): a plan view chain",
+    "passthrough": "its result holds its one operand's values (a copy or a cast), the same shape",
+    "kv_expand": "a step of grouped-query attention's K/V head expansion (repeat_kv: unsqueeze, tile/broadcast, "
+                 "reshape)",
+    "softmax": "a softmax over the given axes (an attention's probabilities)",
+    "gather": "selects rows of its first operand by integer indices (an embedding lookup)",
+    "fresh": "its kernel returns a new array every time, never a view of an operand",
+    "memo": "a pure function of its operands' values with a small result, never writing into an operand: a shape "
+            "memo may hold it (plan/chains.py)",
+    "quantized_bias": "under tract's quantization its integer bias is in accumulator units (input x filter scale)",
+}
+
 NO_CHECKPOINT = object()
 
 #: the name the state interface had before it became an abstract base
@@ -124,8 +141,10 @@ class Primitive:
     ``positional``: tract binds the operands by position, names ignored (its binary and unit element-wise
     ops: ``add(x = a, 1.0)`` is ``a + 1.0``). ``specialize``: ``specialize(attrs)`` returns a kernel taking
     the tensors only, with the static attributes read once, or None (:mod:`..plan.specialize`).
-    ``fresh_result``: the kernel always returns a new array of its own, safe to overwrite in place (plan
-    fusion). ``role``: one of :data:`ROLES`, or None. ``describe``: a one-line description for reports.
+    ``fresh_result``: the kernel always returns a new array of its own, safe to overwrite in place, and a
+    one-operand producer of it may be fused into the ``mul`` reading it (plan fusion; see the ``fresh`` fact for
+    ops that only return new arrays). ``role``: one of :data:`ROLES`, or None. ``describe``: a one-line
+    description for reports. ``facts``: names of :data:`FACTS`. ``scalar``: the op on Python numbers.
     """
 
     signature: str  # one NNEF fragment declaration, e.g. "fragment relu(x: tensor<scalar>) -> (y: tensor<scalar>);"
@@ -138,8 +157,15 @@ class Primitive:
     fresh_result: bool = False
     role: str | None = None
     describe: str = ""
+    facts: frozenset[str] = frozenset()  # names of FACTS (declared with :func:`declare`)
+    #: the op's value on Python scalars, for constant folding (None when undefined there: sqrt(-1)); None: no rule
+    scalar: Callable[..., Any] | None = None
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "facts", frozenset(self.facts))
+        bad = sorted(self.facts - set(FACTS))
+        if bad:
+            raise GraphError(f"operation {self.name}: fact {bad[0]!r} is not one of {', '.join(FACTS)}")
         if self.role is not None and self.role not in ROLES:
             raise GraphError(f"operation {self.name}: role {self.role!r} is not one of {', '.join(ROLES)}")
         if self.state_factory is not None and isinstance(self.state_factory, type) \
@@ -213,6 +239,18 @@ def stateful(signature: str, registry: str, **about: Any) -> Callable[[type], ty
         return cls
 
     return deco
+
+
+def declare(name: str, *facts: str, scalar: Callable[..., Any] | None = None) -> None:
+    """Add ``facts`` (names of :data:`FACTS`) and a ``scalar`` rule to the registered op ``name``: for ops
+    registered in bulk (``_binary``, ``_unary``), next to their registration in the op's family module."""
+    import dataclasses
+
+    prim = PRIMITIVES.get(name)
+    if prim is None:
+        raise GraphError(f"declare: operation {name} is not registered")
+    PRIMITIVES[name] = dataclasses.replace(prim, facts=prim.facts | set(facts),
+                                           scalar=scalar if scalar is not None else prim.scalar)
 
 
 def source(signature: str, registry: str = "nnef", **about: Any) -> None:

@@ -12,14 +12,18 @@ from ..errors import GraphError, LimitError
 from ..grammar import ast as A
 from ..grammar.printer import short as _short
 from ..io.blockquant import BlockQuantTensor
-from .catalog import lookup
+from .catalog import lookup, ops_having, ops_with
 from .dtypes import NNEF_TYPES, dtype_of
 from .graph import InputSpec
 from .quant import _quant_params
 from .values import TRef, _Ctx, _is_int
 
 #: the ops whose value the builder makes itself (graph inputs, stored tensors, literals)
-SOURCE_OPS = ("external", "tract_core_external", "variable", "constant")
+SOURCE_OPS = tuple(sorted(ops_with(role="source")))
+
+
+#: the sources that declare graph inputs (the ``input`` fact)
+INPUT_OPS = ops_having("input")
 
 
 def _source_params(op: str) -> tuple[str, ...]:
@@ -49,7 +53,7 @@ class SourceMixin:
             return None
 
         shape_e = arg("shape")
-        if op in ("external", "tract_core_external"):
+        if op in INPUT_OPS:
             if shape_e is None:
                 raise GraphError(where + "no shape")
             if op == "tract_core_external":

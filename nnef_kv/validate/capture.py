@@ -27,8 +27,10 @@ def fused_attention_ops() -> frozenset[str]:
     return ops_with(role="attention") | ops_with(role="attention+kv")
 
 
-_PASS_THROUGH = frozenset({"tract_core_cast", "cast", "copy"})
-_SOFTMAX = frozenset({"softmax", "tract_core_softmax"})
+def _facts(name: str) -> frozenset[str]:
+    from ..interpreter.catalog import ops_having
+
+    return ops_having(name)
 
 
 def _out_slots(node: Any) -> list[int]:
@@ -66,9 +68,9 @@ def _is_attention(node: Any, fused: frozenset[str], producer: dict[int, Any]) ->
         return True
     if node.op == "matmul" and node.inputs and isinstance(node.inputs[0], int):
         src = producer.get(node.inputs[0])
-        while src is not None and src.op in _PASS_THROUGH and src.inputs and isinstance(src.inputs[0], int):
+        while src is not None and src.op in _facts("passthrough") and src.inputs and isinstance(src.inputs[0], int):
             src = producer.get(src.inputs[0])
-        return src is not None and src.op in _SOFTMAX
+        return src is not None and src.op in _facts("softmax")
     return False
 
 

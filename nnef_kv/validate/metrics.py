@@ -47,7 +47,7 @@ def summary_stats(values: Iterable[float], percentiles: Sequence[float] = KL_PER
     a = np.asarray(list(values), np.float64)
     if a.size == 0:
         return {}
-    out = {"mean": float(np.mean(a)), "min": float(np.min(a)), "max": float(np.max(a))}
+    out = {"mean": float(np.mean(a)), "min": float(np.min(a)), "max": float(np.max(a))}  # not op names
     for p in percentiles:
         out[f"p{p:g}"] = float(np.percentile(a, p))
     return out

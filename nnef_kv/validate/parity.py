@@ -39,8 +39,15 @@ from ..grammar import ast
 
 __all__ = ["QUANTIZED_TRACT_OPS", "FlipBound", "kv_inputs", "flip_bound"]
 
-#: the tract ops whose stored codes depend on rounding boundaries
-QUANTIZED_TRACT_OPS = ("tract_transformers_quantized_dyn_kv_cache", "tract_transformers_quantized_kv_sdpa")
+def _tract_quantized(role: str) -> str:
+    from ..interpreter.catalog import ops_with
+
+    (op,) = ops_with(registry="tract_transformers", role=role, quantized=True)
+    return op
+
+
+#: the tract ops whose stored codes depend on rounding boundaries: (its quantized dyn cache, its fused op)
+QUANTIZED_TRACT_OPS = (_tract_quantized("kv-cache"), _tract_quantized("attention+kv"))
 
 
 @dataclass

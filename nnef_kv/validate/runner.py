@@ -53,12 +53,15 @@ def vocab_size(session: Any, sig: Any) -> int | None:
     plan = session.plan
     ids_slot = next(s.slot for s in plan.inputs if s.name == sig.ids_input)
     fed = {ids_slot}
+    from ..interpreter.catalog import ops_having
+
+    passthrough, gathers = ops_having("passthrough"), ops_having("gather")
     for node in plan.graph.nodes:  # the graph as built: the planner may fuse the gather into a step (torch-to-nnef)
         ins = [x for x in node.inputs if isinstance(x, int)]
-        if node.op in ("tract_core_cast", "cast", "copy") and ins and ins[0] in fed:
+        if node.op in passthrough and ins and ins[0] in fed:
             fed.update(o for o in node.outputs if isinstance(o, int))
             continue
-        if node.op in ("gather", "tract_core_gather") and len(ins) >= 2 and ins[1] in fed:
+        if node.op in gathers and len(ins) >= 2 and ins[1] in fed:
             table = plan.base[ins[0]]
             if isinstance(getattr(table, "shape", None), tuple):  # an array, or block-quantized weights
                 axis = int(node.attrs.get("axis", 0))

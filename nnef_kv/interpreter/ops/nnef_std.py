@@ -15,13 +15,14 @@ f16 tensors compute in f16 except where noted (conv/deconv/matmul accumulate in 
 """
 from __future__ import annotations
 
+import math
 from typing import Any, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ...errors import GraphError
-from ..registry import Kernel, primitive, source
+from ..registry import Kernel, declare, primitive, source
 
 T1 = "(x: tensor<scalar>) -> (y: tensor<scalar>)"
 T2 = "(x: tensor<scalar>, y: tensor<scalar>) -> (z: tensor<scalar>)"
@@ -987,3 +988,48 @@ source("fragment variable<? = scalar>(shape: integer[], label: string) -> (outpu
 source("fragment constant<? = scalar>(shape: integer[], value: ?[]) -> (output: tensor<?>);",
        describe="a literal tensor")
 
+
+
+# ------------------------------------------------------------------------------------------------
+# facts (registry.FACTS): what tools ask of these ops, declared here rather than listed where used
+# ------------------------------------------------------------------------------------------------
+def _quotient(a: float, b: float) -> float | None:
+    return a / b if b != 0 else None
+
+
+def _scalar_sqrt(v: float) -> float | None:
+    return math.sqrt(v) if v >= 0 else None
+
+
+def _scalar_rsqrt(v: float) -> float | None:
+    return 1.0 / math.sqrt(v) if v > 0 else None
+
+
+def _scalar_rcp(v: float) -> float | None:
+    return 1.0 / v if v != 0 else None
+
+
+declare("external", "input")
+for _op in ("reshape", "squeeze", "unsqueeze"):
+    declare(_op, "view")
+for _op in ("reshape", "transpose"):
+    declare(_op, "numpy_view")
+declare("copy", "passthrough")
+for _op in ("unsqueeze", "tile", "reshape"):
+    declare(_op, "kv_expand")
+declare("softmax", "softmax")
+declare("gather", "gather", "fresh")
+for _op in ("cos", "sin", "exp"):
+    declare(_op, "fresh")
+for _op, _fn in (("add", lambda a, b: a + b), ("sub", lambda a, b: a - b), ("mul", lambda a, b: a * b),
+                 ("div", _quotient)):
+    declare(_op, "fresh", scalar=_fn)
+for _op, _fn in (("sqrt", _scalar_sqrt), ("rsqrt", _scalar_rsqrt), ("neg", lambda v: -v), ("rcp", _scalar_rcp),
+                 ("recip", _scalar_rcp)):
+    declare(_op, scalar=_fn)
+for _op in ("slice", "squeeze", "unsqueeze", "reshape", "add", "sub", "mul", "div", "min", "max", "select", "lt",
+            "gt", "le", "ge", "eq", "ne", "and", "or", "not", "neg", "abs", "sign", "floor", "ceil", "round", "tile",
+            "concat", "stack", "transpose"):
+    declare(_op, "memo")
+for _op in ("conv", "deconv", "linear"):
+    declare(_op, "quantized_bias")

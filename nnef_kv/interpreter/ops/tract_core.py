@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import GraphError, InputError
-from ..registry import Kernel, primitive, source
+from ..registry import Kernel, declare, primitive, source
 from ..coerce import as_float, as_int, as_int_list, float_compute_dtype, norm_axis, parse_datum_type
 
 REG = "tract_core"
@@ -600,3 +600,15 @@ for _name, _fn in (
     ("tract_shr", np.right_shift),
 ):
     primitive(f"fragment {_name}(x: tensor<scalar>, y: tensor<scalar>) -> (z: tensor<scalar>);", REG)(_binary(_fn))
+
+
+# ------------------------------------------------------------------------------------------------
+# facts (registry.FACTS)
+# ------------------------------------------------------------------------------------------------
+declare("tract_core_external", "input")
+declare("tract_core_cast", "passthrough", "memo")
+declare("tract_core_broadcast", "kv_expand", "memo")
+declare("tract_core_softmax", "softmax")
+declare("tract_core_gather", "gather", "fresh")
+for _op in ("tract_core_shape_of", "tract_core_range"):
+    declare(_op, "memo")

@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 
 from ...kv import blocked
+from ..catalog import ops_having
 from ..graph import Node
 from ..values import Lazy
 from .chains import Flow
@@ -126,7 +127,7 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     if ad and pair(ad[1]):
         a0, a1 = pair(ad[1])
         for mpos, (sc, mk) in enumerate(((a0, a1), (a1, a0))):
-            if flow.node_of(sc) is not None and flow.nodes[flow.producer[sc]].op in ("mul", "matmul"):
+            if flow.node_of(sc) is not None and flow.nodes[flow.producer[sc]].op in ("mul", "matmul"):  # op pattern
                 mask, z, zr = mk, sc, ad[0]
                 break
         else:
@@ -262,13 +263,13 @@ def match_views(flow: Flow, k: int, taken: set[int]) -> Match | None:
     """``reshape`` / ``transpose`` steps chained through values read by the next one alone (two at least,
     or one reshape with run-time attributes): one step applying the same NumPy views."""
     root = flow.nodes[k]
-    if root.op not in ("reshape", "transpose") or not root.inputs or not isinstance(root.inputs[0], int):
+    if root.op not in ops_having("numpy_view") or not root.inputs or not isinstance(root.inputs[0], int):
         return None
     w_ = Walk(flow, taken)
     chain = [root]
     cur, rd = root.inputs[0], k
     while True:
-        got = w_.inner(cur, rd, "reshape", "transpose")
+        got = w_.inner(cur, rd, *sorted(ops_having("numpy_view")))
         if not got or not got[1].inputs or not isinstance(got[1].inputs[0], int):
             break
         chain.insert(0, got[1])

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...io.blockquant import BLOCK_LEN, BlockQuantTensor
+from ..catalog import ops_having
 from ..graph import Node, slots_of
 from ..values import Lazy
 from .steps import replace_steps
@@ -37,7 +38,7 @@ __all__ = ["is_block", "fold_block", "rewrite_block_product", "fuse_block_projec
            "BlockLinear"]
 
 #: ops whose fold on a block weight is a view of the same blocks when they keep its last axis
-_VIEW_OPS = frozenset({"unsqueeze", "reshape", "squeeze"})
+_VIEW_OPS = ops_having("view")
 
 
 def is_block(w: Any) -> bool:

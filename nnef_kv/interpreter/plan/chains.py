@@ -27,6 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ..catalog import ops_having
 from ..graph import Graph, Node, slots_of
 from ..values import Lazy
 from .execute import node_error
@@ -135,12 +136,8 @@ def chain_step(members: list[tuple[Step, Node]], fast: Callable[[list], Any], ou
 # shape memos
 # ------------------------------------------------------------------------------------------------
 #: ops a memo group may hold: pure functions of their operands' values, small results, never writing into
-#: an operand, never returning an operand's own buffer for a fused product to overwrite
-MEMO_OPS = frozenset({
-    "tract_core_shape_of", "slice", "squeeze", "unsqueeze", "reshape", "tract_core_cast", "add", "sub", "mul",
-    "div", "min", "max", "select", "lt", "gt", "le", "ge", "eq", "ne", "and", "or", "not", "neg", "abs", "sign",
-    "floor", "ceil", "round", "tract_core_range", "tile", "concat", "stack", "transpose", "tract_core_broadcast",
-})
+#: an operand, never returning an operand's own buffer for a fused product to overwrite (the ``memo`` fact)
+MEMO_OPS = ops_having("memo")
 
 
 @dataclass

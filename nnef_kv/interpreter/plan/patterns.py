@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ..catalog import ops_having
 from ..graph import Graph, Node, slots_of
 from ..ops.nnef_std import _slice_bounds as _bounds
 from .attention import match_attention, match_views
@@ -271,7 +272,7 @@ def match_silu_gate(flow: Flow, k: int, taken: set[int]) -> Match | None:
 # ------------------------------------------------------------------------------------------------
 #: ops whose kernel returns a new array every time (no view of an operand): their value, read by nothing
 #: but a cast, may become the cast's value when no conversion is needed
-_FRESH = frozenset({"add", "sub", "mul", "div", "tract_core_gather", "gather", "cos", "sin", "exp"})
+_FRESH = tuple(sorted(ops_having("fresh")))
 
 
 def match_same_dtype_cast(flow: Flow, k: int, taken: set[int]) -> Match | None:
