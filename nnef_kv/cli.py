@@ -56,6 +56,10 @@ class _Parser(argparse.ArgumentParser):
 # commands
 # ----------------------------------------------------------------------------------------------
 def cmd_convert(args: argparse.Namespace) -> int:
+    from .cli_compare import auto_bits_requested, cmd_auto_bits
+
+    if auto_bits_requested(args):
+        return cmd_auto_bits(args)
     from .converters import convert, frontends
     from .converters.options import from_arguments, scheme_given
     from .io.archive import save

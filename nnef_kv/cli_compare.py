@@ -154,11 +154,11 @@ def _add_compare(sub: Any) -> None:
 
 # ---------------------------------------------------------------------------------------------- wiring
 def add_commands(sub: Any, commands: dict[str, Callable[[argparse.Namespace], int]]) -> None:
-    """Add ``compare`` (parser and handler) and ``convert``'s ``--auto-bits`` flags to the CLI."""
+    """Add ``compare`` (parser and handler) and ``convert``'s ``--auto-bits`` flags to the CLI (``cmd_convert``
+    hands ``--auto-bits`` to :func:`cmd_auto_bits`)."""
     _add_compare(sub)
     commands["compare"] = cmd_compare
     _add_auto_bits(sub.choices["convert"])
-    commands["convert"] = _wrap_convert(commands["convert"])
 
 
 # ---------------------------------------------------------------------------------------------- auto-bits
@@ -267,17 +267,11 @@ def cmd_auto_bits(args: argparse.Namespace) -> int:
     return 0
 
 
-def _wrap_convert(plain: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
-    if getattr(plain, "_auto_bits", False):
-        return plain
-
-    def convert_cmd(args: argparse.Namespace) -> int:
-        if getattr(args, "auto_bits", False):
-            return cmd_auto_bits(args)
-        given = [k for k in _AUTO_ONLY if getattr(args, k, None) is not None]
-        if given:
-            raise InputError(f"--{given[0].replace('_', '-')}: only with --auto-bits")
-        return plain(args)
-
-    convert_cmd._auto_bits = True  # type: ignore[attr-defined]
-    return convert_cmd
+def auto_bits_requested(args: argparse.Namespace) -> bool:
+    """``convert``: whether ``--auto-bits`` was given; an auto-bits option without it is refused (one line)."""
+    if getattr(args, "auto_bits", False):
+        return True
+    given = [k for k in _AUTO_ONLY if getattr(args, k, None) is not None]
+    if given:
+        raise InputError(f"--{given[0].replace('_', '-')}: only with --auto-bits")
+    return False
