@@ -444,11 +444,10 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("input", help="NNEF folder, .tar, .tgz, graph.nnef, .onnx, or .gguf (converters/frontends)")
     sp.add_argument("-o", "--output", required=True,
                     help="output archive: a .tar, .tgz or .tar.gz file, or a folder (a name without a suffix). "
-                         "What each costs (benchmarks/scale.py, 622 MiB of f32 weights on a 2-core VM): .tar or "
-                         "folder: no compression, written at disk speed (.tar 5.8 s) and memory-mapped on load (a "
-                         "weight is read from the file when first used); .tgz: about 0.93 of the size, written in "
-                         "13.8 s with the isal package installed (pip install isal), about 110 s with zlib alone, "
-                         "and inflated into memory on load")
+                         ".tar or folder: no compression, written at disk speed and memory-mapped on load (a weight "
+                         "is read from the file when first used); .tgz: slightly smaller, several times slower to "
+                         "write (much slower without the isal package: pip install isal), inflated into memory on "
+                         "load (docs/benchmarks.md)")
     sp.add_argument("--weights", choices=["f32", "f16", "keep"], default=None,
                     help=".gguf input: f32 (default: dequantized as gguf.quants does), f16 (stored f16, computed f32) "
                          "or keep (Q4_0 / Q8_0 kept as tract blocks, other types dequantized)")

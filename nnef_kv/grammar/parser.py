@@ -29,10 +29,10 @@ def _gc_paused() -> Iterator[None]:
     """Pause the cyclic garbage collector while the (acyclic, long-lived) AST is built.
 
     With it running, generation-2 passes over the hundreds of thousands of new nodes of a large
-    graph cost more than the parse itself (3-6 s instead of 1.2 s on the 3.5 MB benchmark). On
+    graph cost more than the parse itself (docs/benchmarks.md, "Where the code's thresholds come from"). On
     exit the objects allocated meanwhile are moved to the oldest generation with
     ``gc.freeze(); gc.unfreeze()`` (two O(1) list merges) instead of being traversed by the first
-    young-generation collection after ``gc.enable()`` (0.3 s there): as if one collection had run
+    young-generation collection after ``gc.enable()``: as if one collection had run
     and everything had survived; garbage cycles, if any, wait for the next full collection.
     """
     enabled = gc.isenabled()

@@ -49,9 +49,8 @@ PARALLEL = "prange" if os.environ.get("NNEF_KV_KIVI_PARALLEL", "").strip() == "p
     else "pool"
 
 #: a decode step is split over threads only when it reads at least this many positions x query rows x head
-#: dims (all kv heads): below, waking a helper costs more than it saves. Measured (``benchmarks/kv_speed.py
-#: --threads 1`` / ``--threads 2``, 8 kv heads x 128, 4 bits): T = 512 0.17 vs 0.28 ms, T = 1024 0.25 vs
-#: 0.32 ms, T = 2048 0.39 vs 0.40 ms, T = 4096 0.71 vs 0.63 ms, T = 8192 1.8 vs 1.3 ms (one vs two threads).
+#: dims (all kv heads): below, waking a helper costs more than it saves (``benchmarks/kv_speed.py --threads 1``
+#: / ``--threads 2``; the figures: docs/benchmarks.md, "Where the code's thresholds come from").
 SPLIT_WORK = 3 << 20
 
 
@@ -531,7 +530,8 @@ def _avoid_cpu(cpu: int) -> None:
     Measured (a probe timing each thread of a step, BLAS on two threads and an f32 attention before each
     step, 2-vCPU machine): when a helper is woken it is often placed on its waker's CPU (the other one is
     busy with OpenBLAS's spinning idle worker), and it then keeps that CPU until it has run every head
-    while the calling thread waits for it: the step takes one thread's time, 1.3-1.5 ms instead of 0.9-1.1.
+    while the calling thread waits for it: the step takes one thread's time (docs/benchmarks.md, "Where the
+    code's thresholds come from").
     A helper that moves itself to another CPU shares that one with the spinner, which yields to it. One
     ``sched_setaffinity`` call when the calling thread's CPU changed, none otherwise; nothing where the
     process may run on one CPU only or the call is refused (a cpuset changed under us)."""

@@ -20,12 +20,10 @@ __all__ = ["KiviAttention", "KERNEL_WORK", "KERNEL_WIDTH"]
 
 #: when a call's attention runs on the numba kernels (if they apply, see ``KiviAttention._kernel_ok``):
 #: some tokens are quantized and either this many quantized values are read (tokens x kv heads x
-#: head_dim) or a token's keys are at least ``KERNEL_WIDTH`` wide (kv heads x head_dim). Measured (one
-#: decode step's attention, 4 bits, key_group 32, residual 32, one thread; T = 96 .. 512 tokens): the
-#: kernels take 0.39-0.58x the NumPy path's time at 1 x 64, 2 x 32, 2 x 64 (GQA, 4 query rows a kv head)
-#: and 4 x 32, 0.45x at 8 x 64; a GQA decoder of 2 kv heads x 64 decodes 9% faster with them (4.24 vs
-#: 4.67 ms a token at 64-220 tokens). Below both thresholds (the built-in demo model's 2 x 16, short
-#: contexts) a model never pays the kernels' first-call compilation (5.7 s on a cold numba cache here).
+#: head_dim) or a token's keys are at least ``KERNEL_WIDTH`` wide (kv heads x head_dim): from there the
+#: kernels beat the NumPy path (the figures: docs/benchmarks.md, "Where the code's thresholds come from").
+#: Below both thresholds (the built-in demo model's 2 x 16, short contexts) a model never pays the
+#: kernels' first-call compilation.
 KERNEL_WORK = 1 << 17
 KERNEL_WIDTH = 64
 
