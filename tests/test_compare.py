@@ -51,6 +51,8 @@ def test_scheme_specs(text, scheme, options):
     ("kivi:4+colour=red", "scheme kivi has no option 'colour'"),
     ("kivi:4+residual", "'residual' is not option=value"),
     ("tract-cache:6", "scheme tract-cache takes 4 or 8 bits"),
+    ("tract:4", "scheme tract stores 8-bit codes"),
+    ("tract-cache:4/8", "KEY/VALUE bits are for kivi"),
 ])
 def test_bad_specs_are_one_line(text, message):
     with pytest.raises(InputError) as exc:

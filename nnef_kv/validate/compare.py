@@ -96,7 +96,7 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
             raise InputError(f"{flag} {raw!r}: {ex!r} is not option=value")
         opts[k.strip().replace("-", "_")] = _value(v.strip().replace(";", ","))  # layer_bits=8;4;4 (commas split)
     if setting:
-        opts = {**_setting_options(scheme, setting, opts, raw, flag), **opts}
+        opts = {**_setting_options(scheme, setting, raw, flag), **opts}
     unknown = [k for k in opts if k not in scheme.option_names]
     if unknown:
         raise InputError(f"{flag} {raw!r}: scheme {name} has no option {unknown[0]!r} (it takes "
@@ -116,16 +116,14 @@ def _is_level(scheme: Any, text: str) -> bool:
     return True
 
 
-def _setting_options(scheme: Any, setting: str, given: dict[str, Any], raw: str, flag: str) -> dict[str, Any]:
+def _setting_options(scheme: Any, setting: str, raw: str, flag: str) -> dict[str, Any]:
     """``SETTING`` of ``NAME:SETTING`` (one level, or KEY/VALUE levels) -> the scheme's options giving it to every
-    layer (read under the ``+option=value`` options ``given``: hf's bits depend on its backend)."""
+    layer (``tract:8`` too: bits 8; the values are checked by the scheme with the other options)."""
     from ..kv import schemes as S
 
     halves = setting.split("/")
     if len(halves) > 2:
         raise InputError(f"{flag} {raw!r}: at most one '/' (KEY/VALUE)")
-    if scheme.level is None:
-        raise InputError(f"{flag} {raw!r}: scheme {scheme.name} has one fixed setting (give no ':SETTING')")
     keys, values = (_value(h.strip()) for h in (halves[0], halves[-1]))  # checked by the scheme, as options
     opts = scheme.level_options(keys, values) if scheme.split or keys == values else None
     if opts is None:
