@@ -376,3 +376,16 @@ def test_a_plugin_scheme_runs_through_compare_and_auto_bits(ladder_scheme, tmp_p
     assert len(rep["uniform"]) == 3 and rep["chosen"] is not None
     text = nnef_kv.dump(nnef_kv.load(conv).document)
     assert text.count("nnef_kv_kivi_sdpa(") == 2 and "bits = 2" in text  # a budget of 50 nats: the cheapest
+
+
+def test_convert_options_are_values():
+    """ConvertOptions holds a scheme name and its values (no scheme's fields of its own): equal, hashable,
+    immutable, and pickled to worker processes unchanged."""
+    import pickle
+
+    o = ConvertOptions.of("ggml", key_type="q4_0", rotate=True)
+    back = pickle.loads(pickle.dumps(o))
+    assert o == ConvertOptions.of("ggml", key_type="q4_0", rotate=True) and hash(o) == hash(back)
+    assert pickle.loads(pickle.dumps(o)) == o and o.scheme_options.rotate is True
+    with pytest.raises(AttributeError):
+        o.scheme = "kivi"

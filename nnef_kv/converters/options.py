@@ -51,6 +51,9 @@ class ConvertOptions:
     def __hash__(self) -> int:
         return hash((self.scheme, self._given))
 
+    def __reduce__(self) -> tuple:  # immutable: rebuilt by its constructor
+        return _rebuild_options, (self.scheme, self._given)
+
     def __repr__(self) -> str:
         return f"ConvertOptions({', '.join([repr(self.scheme)] + [f'{k}={v!r}' for k, v in self._given])})"
 
@@ -80,6 +83,10 @@ class ConvertOptions:
     def as_dict(self) -> dict[str, Any]:
         """The keywords of :func:`~nnef_kv.converters.convert` that give these options."""
         return {"scheme": self.scheme, **self.values()}
+
+
+def _rebuild_options(scheme: str, given: tuple[tuple[str, Any], ...]) -> ConvertOptions:
+    return ConvertOptions(scheme, **dict(given))
 
 
 # ---------------------------------------------------------------------------------------------- command line
