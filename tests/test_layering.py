@@ -39,8 +39,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv.converters.frontends",),
     ("nnef_kv.converters",),
     ("nnef_kv.validate",),
-    ("nnef_kv.cli", "nnef_kv.cli_io", "nnef_kv.cli_run", "nnef_kv.cli_words", "nnef_kv.cli_compare",
-     "nnef_kv.cli_threads", "nnef_kv.__main__"),
+    ("nnef_kv.cli.args", "nnef_kv.cli.threads", "nnef_kv.cli.words", "nnef_kv.cli.measure"),  # the CLI's helpers
+    ("nnef_kv.cli.inspect", "nnef_kv.cli.convert", "nnef_kv.cli.run", "nnef_kv.cli.generate", "nnef_kv.cli.validate",
+     "nnef_kv.cli.demo", "nnef_kv.cli.compare"),  # one module per command
+    ("nnef_kv.cli", "nnef_kv.__main__"),
     ("nnef_kv",),
 ]
 

@@ -101,7 +101,7 @@ def test_default_threads_and_refusals(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_cli_threads_option(tmp_path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     from nnef_kv import cli
-    from nnef_kv.cli_threads import THREADED_COMMANDS
+    from nnef_kv.cli.threads import THREADED_COMMANDS
 
     monkeypatch.delenv(parallel.THREADS_ENV, raising=False)
     text = TEXT.format(k=8, n=4).replace("[1, S, 8]", "[1, 2, 8]")

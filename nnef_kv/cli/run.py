@@ -21,10 +21,9 @@ from typing import Any
 
 import numpy as np
 
-from .cli_io import CliError, existing_path, int_at_least, output_file
-from .errors import NnefKvError
-
-EXIT_OK, EXIT_MISMATCH, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+from ..errors import NnefKvError
+from .args import (EXIT_CHECK_FAILED as EXIT_MISMATCH, EXIT_INTERRUPTED, EXIT_OK, CliError, existing_path,
+                   int_at_least, output_file)
 
 
 @dataclass
@@ -56,7 +55,7 @@ def split_keys(keys: list[str], inputs: list[str], outputs: list[str], where: st
         elif name in outputs:
             (out.exp_common if k is None else out.exp_per.setdefault(k, {}))[name] = key
         else:
-            from .errors import names
+            from ..errors import names
 
             raise CliError(f"{where}: key {key[:80]!r} names no graph input or output (inputs: {names(inputs)})")
     return out
@@ -79,7 +78,7 @@ def _first_missing(keys: Keys, name: str, steps: int, fed_back: bool, empty: boo
 def _positions_problem(session: Any, npz: Any, keys: Keys, steps: int, feedback: dict[str, str],
                        option: str) -> str | None:
     """Why the steps cannot fit the graph's position bound (None when they do, or nothing can be said)."""
-    from .validate.runner import max_positions
+    from ..validate.runner import max_positions
 
     try:
         top, bound = max_positions(session)
@@ -180,10 +179,26 @@ def _float_casts(feed: dict[str, Any], session: Any, casted: set[str], allowed: 
     return out
 
 
+def add_parser(sub: Any) -> None:
+    sp = sub.add_parser("run", help="run an archive on inputs from an .npz, one or several steps",
+                        description="NPZ keys: NAME (every step) or NAME@K (step K). Missing explicit caches are fed "
+                                    "back from the previous step's outputs (empty at step 0).")
+    sp.add_argument("archive")
+    sp.add_argument("--inputs", required=True, help=".npz of inputs (NAME or NAME@STEP keys)")
+    sp.add_argument("-o", "--output", help="write outputs to this .npz")
+    sp.add_argument("--steps", type=int, help="number of runs (default: 1 + the largest @STEP)")
+    sp.add_argument("--assert", dest="assert_tol", type=float, nargs="?", const=ASSERT_TOLERANCE, default=None,
+                    metavar="TOL", help="exit 1 when an output differs from its expected value in --inputs by more "
+                    f"than TOL (max |difference|; TOL omitted: {ASSERT_TOLERANCE:g}), as tract's "
+                    "--assert-output-bundle")
+    sp.add_argument("--allow-float-casts", action="store_true",
+                    help="cast float inputs to the float type the graph declares (e.g. f32 test io for an f16 archive)")
+
+
 def cmd_run(args: argparse.Namespace) -> int:
-    from .io.archive import load
-    from .io.npz import NpzReader, NpzWriter
-    from .validate.decode import detect_signature
+    from ..io.archive import load
+    from ..io.npz import NpzReader, NpzWriter
+    from ..validate.decode import detect_signature
 
     steps_arg = None if args.steps is None else int_at_least("--steps", args.steps, 1)
     src = existing_path(args.archive)
@@ -218,7 +233,7 @@ def cmd_run(args: argparse.Namespace) -> int:
 def _steps(args: Any, src: Path, npz: Any, npz_path: Path, session: Any, keys: Keys, steps: int,
            feedback: dict[str, str], empty: dict[str, Any], out_path: Path | None, writer_cls: Any,
            float_casts: Any) -> int:
-    from .atomic import atomic_write
+    from ..atomic import atomic_write
 
     inputs = list(session.input_names)
     loaded: dict[str, np.ndarray] = {}  # the every-step arrays, read once

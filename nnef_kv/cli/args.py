@@ -9,11 +9,18 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-from .errors import NnefKvError, clip
-from .targets import check_file, check_folder, kind_of, resolve
+from ..errors import NnefKvError, clip
+from ..targets import check_file, check_folder, kind_of, resolve
 
 #: the largest integer an option takes (64-bit signed, what the ops and tract hold)
 INT_MAX = (1 << 63) - 1
+
+#: the exit codes (:func:`nnef_kv.cli.main`): ok, a check failed, an error, interrupted, the standard output closed
+EXIT_OK = 0
+EXIT_CHECK_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
+EXIT_PIPE_CLOSED = 141
 
 
 class CliError(NnefKvError):
@@ -49,7 +56,7 @@ def output_file(value: str, option: str, *, suffixes: Sequence[str] = (), inputs
 
 def output_model(value: str, option: str, inputs: Iterable[Any] = ()) -> tuple[Path, str]:
     """The model target of ``convert -o`` (:func:`nnef_kv.io.container.check_model_target`)."""
-    from .io.container import check_model_target
+    from ..io.container import check_model_target
 
     return check_model_target(value, inputs=list(inputs))
 

@@ -1,35 +1,12 @@
-"""``nnef-kv inspect``, and the words the command line prints for convert, demo and generate (issue 23.11): the
-scheme and what its op stores, the demo rows that read nothing quantized, the demo decoder's size check, the
-kernels' compile note."""
+"""The words the command line prints for convert, demo and generate (issue 23.11): the scheme and what its op
+stores, the demo rows that read nothing quantized, the demo decoder's size check, the kernels' compile note."""
 from __future__ import annotations
 
 import sys
 from typing import Any
 
-from .cli_io import CliError, existing_path
-from .limits import current_limits
-
-
-def cmd_inspect(args: Any) -> int:
-    """``nnef-kv inspect``: the summary, after the check run (build, one run on zeros) unless ``--no-check``."""
-    from .converters import frontends
-    from .converters.attention import refuse_exporter_problems
-    from .interpreter.check import check_model
-    from .io.archive import load
-    from .summary import summarize
-
-    src = existing_path(args.archive)
-    fe = frontends.detect(src)
-    if fe is not None and fe.name != "nnef":
-        raise CliError(f"{src}: {fe.kinds}; inspect reads NNEF models (a folder, .tar, .tgz or graph.nnef): convert it "
-                       f"first (nnef-kv convert {src} -o {src.name.split('.')[0] or 'model'}.nnef.tgz)")
-    model = frontends.load(src) if fe is not None else load(src)
-    refuse_exporter_problems(model, str(src))  # a known exporter bug, explained
-    checked = None if args.no_check or model.document.graph is None else check_model(model)
-    print(summarize(model).to_text())
-    if checked is not None:
-        print(checked.to_text())
-    return 0
+from ..limits import current_limits
+from .args import CliError
 
 
 def scheme_phrase(opts: Any) -> str:
@@ -86,7 +63,7 @@ def demo_size(cfg: Any) -> None:
 
 def compiled() -> float:
     """Seconds the numba kernels spent compiling in this process (their first run on a machine)."""
-    from .kernels import compile_seconds
+    from ..kernels import compile_seconds
 
     return compile_seconds()
 

@@ -8,7 +8,7 @@ import contextlib
 import os
 from typing import Any, Iterator
 
-from .cli_io import int_at_least
+from .args import int_at_least
 
 __all__ = ["THREADED_COMMANDS", "add_threads_option", "threads_of"]
 
@@ -35,7 +35,7 @@ def threads_of(args: argparse.Namespace) -> Iterator[None]:
     if n is None:
         yield
         return
-    from .interpreter.plan.parallel import THREADS_ENV
+    from ..interpreter.plan.parallel import THREADS_ENV
 
     int_at_least("--threads", n, 1)
     saved = os.environ.get(THREADS_ENV)
