@@ -95,8 +95,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
         return EXIT_OK
     for line in getattr(report, "attentions", []) or []:
         print(f"  {line}")
+    changes = set(getattr(report, "changes", ()))
     for note in report.notes:
-        if note.startswith(NOTE_PREFIXES):
+        if note.startswith(NOTE_PREFIXES) or note in changes:
             print(f"note: {note}", file=sys.stderr)
     print(f"converted {len(getattr(report, 'attentions', []) or [])} attention block(s) of {src} with scheme "
           f"{scheme_phrase(opts)} -> {args.output}{done} ({time.perf_counter() - t0:.2f} s)")

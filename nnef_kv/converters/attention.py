@@ -77,6 +77,7 @@ class AttentionBlock:
     nodes: list[str] = field(default_factory=list)  # the attention's own nodes (q.k to output)
     softcap: float | None = None  # tanh softcapping of the scores (Gemma 2), None: none
     unsupported: list[str] = field(default_factory=list)  # score transforms no fused op expresses
+    mask_reading: Any = None  # what the mask is (converters/masks.py MaskReading), once read
 
     def describe(self) -> str:
         extra = f", softcap {self.softcap:g}" if self.softcap else ""

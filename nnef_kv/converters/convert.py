@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ from ..interpreter.catalog import ops_with
 from .graph_edit import GraphEdit
 from .options import ConvertOptions
 from .attention import exporter_problems
+from .masks import positions_bound
 from .passes import (
     REWRITES,
     CacheShapeToSymbolPass,
@@ -49,6 +49,11 @@ class ConversionReport:
     @property
     def notes(self) -> list[str]:
         return [n for p in self.passes for n in p.notes]
+
+    @property
+    def changes(self) -> list[str]:
+        """The notes on what the converted model computes differently (beyond its cache's quantization)."""
+        return [n for p in self.passes for n in p.changes]
 
     def to_text(self) -> str:
         o = self.options
@@ -120,19 +125,6 @@ def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, **scheme_options: 
     report.inputs = list(g.inputs)
     report.outputs = list(g.outputs)
     return new_model, report
-
-
-_BOUND = re.compile(r"^\s*[A-Za-z_]\w*\s*\+\s*[A-Za-z_]\w*\s*(<=?)\s*([0-9]+)\s*$")
-
-
-def positions_bound(doc: Any) -> tuple[int, str] | None:
-    """``(most positions, the assertion)`` of a ``tract_assert S+P < N`` (or ``<= N``) line, else None."""
-    for ext in getattr(doc, "extensions", ()):
-        m = _BOUND.match(ext.argument) if ext.name == "tract_assert" else None
-        if m:
-            n = int(m.group(2))
-            return (n - 1 if m.group(1) == "<" else n), f"tract_assert {ext.argument.strip()}"
-    return None
 
 
 def _never_quantized(s: Any, settings: Any, doc: Any) -> str | None:

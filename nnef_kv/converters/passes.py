@@ -41,6 +41,7 @@ from ..kv.schemes import SCHEMES, AttentionSite, CacheSite, Scheme
 from .attention import (DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention,
                         find_caches)
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
+from .masks import MaskSite, length_symbols, read_masks
 from .options import ConvertOptions
 
 POSITION_CACHE = "nnef_kv_positions"
@@ -57,6 +58,13 @@ class PassReport:
     inputs_removed: list[str] = field(default_factory=list)
     outputs_removed: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    #: notes on what the converted model computes differently, beyond its cache's quantization (also in
+    #: ``notes``; ``nnef-kv convert`` prints them on stderr)
+    changes: list[str] = field(default_factory=list)
+
+    def change(self, note: str) -> None:
+        self.notes.append(note)
+        self.changes.append(note)
 
     @property
     def changed(self) -> bool:
@@ -158,7 +166,8 @@ def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: i
             raise ConversionError(f"{ctx.graph.where}: attention '{block.output}' has no scale and an unknown "
                                   "head size")
         scale = 1.0 / math.sqrt(head_dim)
-    site = AttentionSite(scale=float(scale), is_causal=bool(block.is_causal or block.mask is not None),
+    causal = block.is_causal or (block.mask_reading is not None and block.mask_reading.kind == "causal")
+    site = AttentionSite(scale=float(scale), is_causal=bool(causal),
                          softcap=float(block.softcap or 0.0), layer=layer)
     return invocation(ctx.scheme.op, A.Identifier(block.q), A.Identifier(block.key.new), A.Identifier(block.value.new),
                       **ctx.scheme.attributes(ctx.settings, site))
@@ -213,12 +222,33 @@ def _holds_softmax(frag: A.FragmentDecl, doc: A.Document, depth: int = 0) -> boo
     return False
 
 
+def _read_masks(g: GraphEdit, blocks: list[AttentionBlock]) -> None:
+    """Each block's mask, read by evaluating it (:mod:`.masks`), into ``mask_reading``."""
+    sites = [MaskSite(b.mask, b.is_causal) for b in blocks if b.mask is not None]
+    if not sites:
+        return
+    query, past = length_symbols(g, [c for b in blocks for c in (b.key, b.value)])
+    readings = read_masks(g, sites, query, past)
+    for b in blocks:
+        if b.mask is not None:
+            b.mask_reading = readings[b.mask]
+
+
 def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:
     """The fused op of the scheme must express the attention: refuse in one line otherwise, naming the
     schemes that would convert it."""
     where = f"{ctx.graph.where}: attention '{b.output}'"
     s = ctx.scheme
     cache_only = [x.name for x in SCHEMES.values() if x.rewrite == "cache"]
+    keep = (f"; scheme {' or '.join(cache_only)} converts the caches only and keeps the attention as exported"
+            if cache_only else "")
+    r = b.mask_reading
+    if r is not None and r.kind == "window":
+        raise ConversionError(f"{where}: its mask '{b.mask}' is {r.describe()}; {s.op} has no sliding window, so "
+                              f"the converted model would attend to every cached token{keep}; nothing written")
+    if r is not None and r.kind == "other":
+        raise ConversionError(f"{where}: its mask '{b.mask}' is not one {s.op} expresses (full causal or none): "
+                              f"{r.describe()}{keep}; nothing written")
     if b.unsupported:
         hint = (f"; scheme {' or '.join(cache_only)} converts the caches only and keeps the attention as exported"
                 if cache_only else "")
@@ -255,6 +285,7 @@ class AttentionPass:
         op = ctx.scheme.op
         present: list[str] = []
         drop: set[str] = set()
+        _read_masks(g, blocks)
         for b in blocks:
             _check_scheme(ctx, b)
         _layers_check(ctx, len(blocks))
@@ -263,8 +294,15 @@ class AttentionPass:
             head_dim = self._record_caches(ctx, b, present, drop)
             g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim, layer))
             rep.nodes_replaced.append(f"{b.output}: {b.kind} -> {op}")
-            if b.mask is not None:
-                rep.notes.append(ctx.scheme.mask_note.format(output=b.output, mask=b.mask, op=op))
+            if b.mask is not None and b.mask_reading is not None and b.mask_reading.kind == "none":
+                rep.notes.append(f"attention '{b.output}': mask '{b.mask}' read as {b.mask_reading.describe()}: "
+                                 f"dropped, {op} attends to its whole cache")
+            elif b.mask is not None:
+                note = ctx.scheme.mask_note.format(output=b.output, mask=b.mask, op=op)
+                if ctx.scheme.causal:
+                    rep.notes.append(note)
+                else:
+                    rep.change(note)
             if b.softcap:
                 rep.notes.append(f"attention '{b.output}': tanh softcapping {b.softcap:g} kept (softcap attribute)")
         ctx.forget_dead_readers(set(ctx.removed_inputs) | set(present) | drop)

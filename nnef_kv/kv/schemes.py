@@ -286,6 +286,7 @@ class Scheme:
     make_attributes: Callable[[Any, Any], dict[str, Any]]  # (options, site) -> the op's attributes, in order
     softcap: bool = False  # attention schemes: the op computes tanh softcapping
     mask_note: str = ""  # attention schemes: what becomes of a mask ({output}, {mask}, {op})
+    causal: bool = True  # attention schemes: the op masks causally (else a causal mask is lost: a change noted)
     fixed_bits: int | None = None  # the op stores this many bits whatever the bits option
     notes: Callable[[Any], list[str]] = lambda options: []  # notes for the conversion report
     #: tokens the op holds before it quantizes any (sinks + window), from the options; None: from the first
@@ -468,7 +469,7 @@ SCHEMES: dict[str, Scheme] = {
         name="tract", op="tract_transformers_quantized_kv_sdpa",
         summary="tract_transformers_quantized_kv_sdpa (8 bits)", rewrite="attention", options=TractOptions,
         check=lambda values: first_problem(values, TRACT_SETTINGS),
-        make_attributes=_tract_attributes, fixed_bits=8,
+        make_attributes=_tract_attributes, fixed_bits=8, causal=False,
         mask_note="attention '{output}': mask '{mask}' dropped: {op} has no causal mask (a multi-token call "
                   "attends to its whole cache)",
         demo="tract", doc="tract's fused op (u8 codes; no causal mask: a multi-token call attends to its whole cache)"),

@@ -72,6 +72,9 @@ class DecoderConfig:
     attention_bias: bool = False
     #: an RMSNorm over head_dim on each query and key head before RoPE (Qwen3)
     qk_norm: bool = False
+    #: HF's sliding-window attention in the graph's mask (0: none): a query at position p sees the keys in
+    #: (p - W, p], every layer
+    sliding_window: int = 0
 
     def validate(self) -> None:
         from ..errors import GraphError
@@ -79,6 +82,8 @@ class DecoderConfig:
         for k in ("vocab", "hidden", "layers", "heads", "kv_heads", "head_dim", "mlp", "max_positions"):
             if int(getattr(self, k)) < 1:
                 raise GraphError(f"decoder config: {k} must be >= 1, got {getattr(self, k)}")
+        if int(self.sliding_window) < 0:
+            raise GraphError(f"decoder config: sliding_window must be >= 0, got {self.sliding_window}")
         if self.heads % self.kv_heads:
             raise GraphError(f"decoder config: heads ({self.heads}) must be a multiple of kv_heads ({self.kv_heads})")
         if self.head_dim % 2:
@@ -325,6 +330,10 @@ def build_decoder_text(cfg: DecoderConfig, storage: dict[str, str] | None = None
         all_pos = out("k_range", f"tract_core_range(0, {total}, 1)")
         k_pos = out("k_pos", f"unsqueeze({all_pos}, axes = [0])")
         fut = out("future", f"gt({k_pos}, {q_pos})")
+        if cfg.sliding_window:
+            edge = out("window_edge", f"sub({q_pos}, {int(cfg.sliding_window)})")
+            old = out("out_of_window", f"le({k_pos}, {edge})")
+            fut = out("masked_keys", f"or({fut}, {old})")
         futf = out("future_f32", f"tract_core_cast({fut}, to = 'f32')")
         neg = out("mask_2d", f"mul({futf}, -1e9)")
         mask = neg if not explicit else out("attention_mask", f"unsqueeze({neg}, axes = [0, 1])")

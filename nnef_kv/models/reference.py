@@ -34,6 +34,8 @@ def reference_logits(cfg: DecoderConfig, weights: dict[str, np.ndarray], ids: np
     inv = w["model.rotary_emb.inv_freq"]
     h = w["model.embed_tokens.weight"][ids]
     causal = np.triu(np.ones((t, t), bool), 1)
+    if cfg.sliding_window:  # HF's sliding layers: a query at p sees the keys in (p - W, p]
+        causal |= np.tril(np.ones((t, t), bool), -int(cfg.sliding_window))
     for l in range(cfg.layers):
         p = f"model.layers.{l}."
         x = _rms(h, w[p + "input_layernorm.weight"], cfg.eps)
