@@ -174,3 +174,78 @@ def test_the_cli_refuses_a_window_and_writes_nothing(tmp_path, capsys) -> None:
     assert main(["convert", str(src), "--scheme", "kivi", "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"sliding window of {W} tokens" in err[0] and not out.exists()
+
+
+# -- what an export lost -----------------------------------------------------------------------------
+def test_declared_windows_reads_hf_configs() -> None:
+    from nnef_kv.converters.masks import declared_windows
+
+    assert declared_windows({"sliding_window": 4096, "num_hidden_layers": 32}) == (4096, 32, 32)  # Mistral
+    assert declared_windows({"sliding_window": None, "num_hidden_layers": 32}) is None
+    qwen2 = {"sliding_window": 4096, "use_sliding_window": False, "num_hidden_layers": 24}
+    assert declared_windows(qwen2) is None
+    assert declared_windows({**qwen2, "layer_types": ["full_attention"] * 24}) is None
+    gemma2 = {"sliding_window": 4096, "layer_types": ["sliding_attention", "full_attention"] * 13}
+    assert declared_windows(gemma2) == (4096, 13, 26)
+    assert declared_windows({"text_config": gemma2}) == (4096, 13, 26)  # Gemma 3's nesting
+
+
+def _with_config(tmp_path, model, config) -> object:
+    import json
+
+    from nnef_kv import save
+
+    folder = tmp_path / "export"
+    folder.mkdir()
+    save(model, folder / "model.nnef.tgz")
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder / "model.nnef.tgz"
+
+
+@pytest.mark.parametrize("window, config, noted", [
+    (0, {"sliding_window": 16, "num_hidden_layers": 2}, True),  # Mistral-like, exported without its window
+    (0, {"sliding_window": 16, "layer_types": ["sliding_attention", "full_attention"]}, True),
+    (0, {"sliding_window": 16, "use_sliding_window": False, "num_hidden_layers": 2}, False),
+    (0, {"num_hidden_layers": 2}, False),
+    (16, {"sliding_window": 16, "num_hidden_layers": 2}, False),  # the window is in the masks
+])
+def test_inspect_convert_and_validate_say_what_the_export_lost(tmp_path, capsys, window, config, noted) -> None:
+    from nnef_kv.cli import main
+
+    cfg = DecoderConfig(**{**CFG.__dict__, "sliding_window": window})
+    src = _with_config(tmp_path, build_decoder(cfg), config)
+    assert main(["inspect", str(src)]) == 0
+    err = capsys.readouterr().err
+    assert ("declares a sliding window of 16 tokens" in err) is noted
+    if noted:
+        assert "runs the model without its window" in err and len(err.strip().splitlines()) == 1
+        assert main(["convert", str(src), "-o", str(tmp_path / "k.nnef.tar")]) == 0
+        assert "declares a sliding window of 16 tokens" in capsys.readouterr().err
+        ids = tmp_path / "ids.txt"
+        ids.write_text(" ".join(str(i % CFG.vocab) for i in range(3, 40)))
+        assert main(["validate", str(tmp_path / "k.nnef.tar"), "--reference", str(src), "--ids", str(ids),
+                     "--context", "8", "--eval-tokens", "8", "--windows", "1"]) in (0, 1)
+        assert capsys.readouterr().err.count("declares a sliding window of 16 tokens") == 1
+
+
+def test_the_lost_window_note_on_a_torch_to_nnef_export(tmp_path, capsys) -> None:
+    import json
+    import shutil
+
+    from conftest import FIXTURES, requires_shared  # noqa: F401
+    from nnef_kv.cli import main
+
+    src = FIXTURES / "exports" / "qwen2_default"
+    if not src.is_dir():
+        pytest.skip(f"shared material not found at {src}")
+    folder = tmp_path / "qwen2"
+    folder.mkdir()
+    shutil.copy(src / "model.nnef.tgz", folder)
+    config = json.loads((src / "config.json").read_text())
+    assert main(["inspect", str(folder / "model.nnef.tgz")]) == 0
+    assert "sliding window" not in capsys.readouterr().err  # as exported: use_sliding_window false, no note
+    config.update(use_sliding_window=True, sliding_window=16, layer_types=["sliding_attention", "full_attention"])
+    (folder / "config.json").write_text(json.dumps(config))
+    assert main(["inspect", str(folder / "model.nnef.tgz")]) == 0
+    err = capsys.readouterr().err
+    assert "declares a sliding window of 16 tokens on 1 of 2 layers" in err and "2 read as plain causal" in err

@@ -13,7 +13,7 @@ from typing import Any
 from ..errors import InputError
 from .args import EXIT_CHECK_FAILED, EXIT_OK, existing_path, output_model
 from .measure import NAMES, add_jobs_options, add_measure_options, lengths, positive, report_dir, token_source
-from .words import scheme_phrase
+from .words import note_lost_window, scheme_phrase
 
 #: conversion notes the command repeats on stderr (what a user must not miss)
 NOTE_PREFIXES = ("never quantized:",)
@@ -79,6 +79,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
             as advance:
         model = frontends.load(src, weights=getattr(args, "weights", None))
         advance()
+        note_lost_window(model, src)
         if import_only:
             converted, report = model, None
         else:

@@ -4,6 +4,7 @@ from __future__ import annotations
 from typing import Any
 
 from .args import EXIT_OK, CliError, existing_path
+from .words import note_lost_window
 
 
 def add_parser(sub: Any) -> None:
@@ -30,6 +31,7 @@ def cmd_inspect(args: Any) -> int:
                        f"first (nnef-kv convert {src} -o {src.name.split('.')[0] or 'model'}.nnef.tgz)")
     model = frontends.load(src) if fe is not None else load(src)
     refuse_exporter_problems(model, str(src))  # a known exporter bug, explained
+    note_lost_window(model, src)
     checked = None if args.no_check or model.document.graph is None else check_model(model)
     print(summarize(model).to_text())
     if checked is not None:

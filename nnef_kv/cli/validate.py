@@ -7,6 +7,7 @@ from typing import Any
 
 from .args import EXIT_CHECK_FAILED, EXIT_OK, existing_path, output_folder, parse_contexts
 from .measure import NAMES, add_measure_options, token_source
+from .words import note_lost_window
 
 
 def add_parser(sub: Any) -> None:
@@ -98,6 +99,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
         source.notes.append(tok_note)
     model = load(src)
     reference = load(ref_path) if ref_path else None
+    said: set[str] = set()
+    for m, p in ((model, src), (reference, ref_path)):
+        if m is not None:
+            note_lost_window(m, p, said)
     with progress_bar(f"validating {src.name}", total=None) as advance:
         rep = validate_model(model, reference, source, opts, progress=advance, path=str(src), names=_VALIDATE_NAMES)
     _print_validation(rep)
