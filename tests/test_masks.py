@@ -178,7 +178,7 @@ def test_the_cli_refuses_a_window_and_writes_nothing(tmp_path, capsys) -> None:
 
 # -- what an export lost -----------------------------------------------------------------------------
 def test_declared_windows_reads_hf_configs() -> None:
-    from nnef_kv.converters.masks import declared_windows
+    from nnef_kv.converters.exported import declared_windows
 
     assert declared_windows({"sliding_window": 4096, "num_hidden_layers": 32}) == (4096, 32, 32)  # Mistral
     assert declared_windows({"sliding_window": None, "num_hidden_layers": 32}) is None
@@ -249,3 +249,14 @@ def test_the_lost_window_note_on_a_torch_to_nnef_export(tmp_path, capsys) -> Non
     assert main(["inspect", str(folder / "model.nnef.tgz")]) == 0
     err = capsys.readouterr().err
     assert "declares a sliding window of 16 tokens on 1 of 2 layers" in err and "2 read as plain causal" in err
+
+
+def test_a_mask_computed_from_input_values_is_refused() -> None:
+    cfg = DecoderConfig(**{**CFG.__dict__, "sliding_window": 0})
+    text = build_decoder_text(cfg)
+    old = "mul(future_f32, -1e9)"
+    assert old in text  # the mask now also adds each query's token id: data, not lengths
+    model = Model.from_text(text.replace(old, "add(mul(future_f32, -1e9), transpose(tract_core_cast(input_ids, "
+                                              "to = 'f32'), axes = [1, 0]))"), build_decoder_weights(cfg))
+    with pytest.raises(ConversionError, match="depends on the values of the graph's inputs"):
+        convert(model, "kivi")

@@ -262,7 +262,9 @@ def test_passes_read_the_scheme_not_its_name(fake_scheme):
     """The mask note and the softcap refusal of a fused scheme come from its Scheme object."""
     from nnef_kv.io.archive import Model
 
-    mask = "mask = slice(x, axes = [1, 3], begin = [0, 0], end = [1, 1]);"  # [1, 1, S, 1]: not a constant
+    mask = ("q_pos = unsqueeze(tract_core_range(P, P + S, 1), axes = [1]);\n"
+            "  k_pos = unsqueeze(tract_core_range(0, P + S, 1), axes = [0]);\n"
+            "  mask = mul(tract_core_cast(gt(k_pos, q_pos), to = 'f32'), -1e9);")  # causal, from the lengths
     text = attention_graph(scale=f"{mask}\n  ss0 = div(s, 2.0);\n  ss = add(ss0, mask);")
     _, report = convert(Model.from_text(text), scheme="kivi-window")
     assert any(n.startswith("attention 'y': mask 'mask' gone") for n in report.notes), report.notes

@@ -19,7 +19,7 @@ def add_parser(sub: Any) -> None:
 def cmd_inspect(args: Any) -> int:
     """``nnef-kv inspect``: the summary, after the check run (build, one run on zeros) unless ``--no-check``."""
     from ..converters import frontends
-    from ..converters.attention import refuse_exporter_problems
+    from ..converters.caches import refuse_exporter_problems
     from ..interpreter.check import check_model
     from ..io.archive import load
     from ..summary import summarize

@@ -74,9 +74,9 @@ def note_compiling(message: str) -> None:
 
 def note_lost_window(model: Any, path: Any, said: set[str] | None = None) -> None:
     """``note: ...`` on stderr when the ``config.json`` beside the archive declares a sliding window the graph's
-    masks do not hold (:func:`~nnef_kv.converters.masks.lost_window_note`); a note already in ``said`` is not
+    masks do not hold (:func:`~nnef_kv.converters.exported.lost_window_note`); a note already in ``said`` is not
     repeated."""
-    from ..converters.masks import lost_window_note
+    from ..converters.exported import lost_window_note
 
     note = lost_window_note(model, path)
     if note and note not in (said if said is not None else ()):

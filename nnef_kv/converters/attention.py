@@ -20,8 +20,10 @@ the mapping the fused ops use) to their cache (:func:`cache_source`):
 * ``dyn``: ``tract_transformers_dyn_kv_cache(new, ...)`` (tract holds the cache in its state).
 
 Where recognition stops, :class:`Miss` records the node and what was expected there; the converter's
-error quotes it. :func:`find_caches` finds the caches without any attention (scheme ``tract-cache``), and
-:func:`exporter_problems` the exports that cannot run at all.
+error quotes it. A softmax the walk above misses is followed once more through layout ops
+(:func:`_follow_folded`: the form tract's declutter writes) and proved by one run (:mod:`.folded`); each mask
+is read by evaluating it (:mod:`.masks`). The caches alone (scheme ``tract-cache``) and the exports that cannot
+run are :mod:`.caches`'.
 """
 from __future__ import annotations
 
@@ -31,7 +33,9 @@ from typing import Any
 from ..errors import ConversionError
 from ..grammar import ast as A
 from ..interpreter.catalog import ops_having
+from . import folded
 from .graph_edit import GraphEdit, Node, int_list, static_value
+from .masks import read_block_masks
 
 #: what the recognizer walks through, from the registry's facts: casts and copies; the steps of a K/V head
 #: expansion (repeat_kv); the softmaxes (``softmax`` and ``tract_core_softmax``: tract reads them alike)
@@ -78,6 +82,8 @@ class AttentionBlock:
     softcap: float | None = None  # tanh softcapping of the scores (Gemma 2), None: none
     unsupported: list[str] = field(default_factory=list)  # score transforms no fused op expresses
     mask_reading: Any = None  # what the mask is (converters/masks.py MaskReading), once read
+    layout: tuple = ()  # kind "folded": the layout ops from the fused op's [B, Hq, S, D] result to ``output``
+    query_layout: tuple = ()  # kind "folded": the layout ops from ``q`` to the [B, Hq, S, D] query
 
     def describe(self) -> str:
         extra = f", softcap {self.softcap:g}" if self.softcap else ""
@@ -218,9 +224,10 @@ def _const_operand(g: GraphEdit, n: Node) -> tuple[float, str] | None:
     return None
 
 
-def _to_scores(g: GraphEdit, start: str, depth: int = 0) -> tuple[Node, list[tuple]]:
+def _to_scores(g: GraphEdit, start: str, depth: int = 0, through: Any = PASSTHROUGH) -> tuple[Node, list[tuple]]:
     """From a softmax input back to the scores product: the product node and the transforms met on the
-    way, in the order they are applied (product first). Raises :class:`_Stop` where it cannot go on."""
+    way, in the order they are applied (product first). Raises :class:`_Stop` where it cannot go on.
+    ``through``: the ops walked through unrecorded (casts; layout ops too for :mod:`.folded`)."""
     ops: list[tuple] = []
     cur = start
     for _ in range(64):
@@ -228,12 +235,12 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0) -> tuple[Node, list[tup
         if n is None or n.inv is None:
             raise _Stop(cur, None, f"a computed scores tensor (q . K^T and then {SCORE_TRANSFORMS})")
         if _product(n) is not None:
-            if _key_of_scores(g, n) is None:
+            if through is PASSTHROUGH and _key_of_scores(g, n) is None:
                 raise _Stop(n.name, n.op, "q . K^T with K^T a transpose(K, [0, 1, 3, 2]), transposeB = true, or an "
                                           "einsum bcij,bcjk->bcik / bcij,bckj->bcik")
             return n, list(reversed(ops))
         op = n.op
-        if op in PASSTHROUGH:
+        if op in through:
             cur = _first_input(n) or ""
             continue
         if op in ("mul", "div"):  # op pattern
@@ -259,7 +266,7 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0) -> tuple[Node, list[tup
                     if s is None or m is None:
                         continue
                     try:
-                        _to_scores(g, s, depth + 1)
+                        _to_scores(g, s, depth + 1, through)
                     except _Stop:
                         continue
                     ops.append(("mask", m, n.name))
@@ -398,15 +405,19 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
     looks like an attention but could not be followed (or has no KV cache)."""
     blocks: list[AttentionBlock] = []
     misses: list[Miss] = []
+    folded: list[tuple[Any, Miss | None]] = []
     for sm in [n for n in g.nodes if n.op in SOFTMAX_OPS]:
         x = sm.arg_name("x")
         axis = _single_axis(sm, "axes")
-        if x is None or axis not in (3, -1):
+        if x is None or axis is None:
             continue
         try:
+            if axis not in (3, -1):  # not the standard layout: an attention only if folded (else not one)
+                folded.append((sm, None))
+                continue
             mm1, ops = _to_scores(g, x)
         except _Stop as stop:
-            misses.append(Miss(stop.node, stop.op, stop.expected, sm.name))
+            folded.append((sm, Miss(stop.node, stop.op, stop.expected, sm.name)))
             continue
         q, kfull, kfactor = _key_of_scores(g, mm1)  # type: ignore[misc]
         mm2, fwd = _forward_to_pv(g, sm)
@@ -459,105 +470,122 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
         blocks.append(AttentionBlock("sdpa", q, key, value, n.name, scale or None, n.arg_name("mask"),
                                      is_causal=bool(static_value(causal)) if causal is not None else False,
                                      nodes=[n.name]))
+    found, left = _folded(g, folded)
+    blocks += found
+    misses += left
     return blocks, misses
 
 
-# ----------------------------------------------------------------------------------------------
-_KEY_WORDS = ("key", "_k_", "k_cache", "keys")
-_VALUE_WORDS = ("value", "_v_", "v_cache", "values")
-
-
-def _role_by_name(*names: str | None) -> str:
-    for nm in names:
-        low = (nm or "").lower()
-        if any(w in low for w in _KEY_WORDS):
-            return "key"
-        if any(w in low for w in _VALUE_WORDS):
-            return "value"
-    return ""
-
-
-def _role_by_use(g: GraphEdit, name: str) -> str:
-    """``key`` when the cache reaches the second operand of a scores-like product (transposed), ``value``
-    when it reaches the second operand of p . V, through the GQA repeat and casts; else ''."""
-    frontier = [name]
-    seen: set[str] = set()
-    while frontier:
-        cur = frontier.pop()
-        if cur in seen:
-            continue
-        seen.add(cur)
-        for u in g.users(cur):
-            if u.op in REPEAT_OPS + PASSTHROUGH:
-                frontier.extend(u.names)
-            elif u.op == "transpose" and int_list(u.arg("axes")) == [0, 1, 3, 2]:
-                return "key"
-            elif u.op == "tract_transformers_sdpa":
-                return "key" if u.arg_name("k") == cur else "value" if u.arg_name("v") == cur else ""
-            else:
-                prod = _product(u)
-                if prod is not None and prod[1] == cur:
-                    return "key" if prod[2] else "value"
-    return ""
-
-
-def find_caches(g: GraphEdit, blocks: list[AttentionBlock] | None = None) -> list[CacheSource]:
-    """Every KV cache of the graph whatever the attention around it: ``concat([graph input, new],
-    axis = 2)`` and ``tract_transformers_dyn_kv_cache``, each with its role (key / value) from the
-    recognised attention, else from its names, else from how it is used."""
-    known = {}
-    for b in blocks or []:
-        known[b.key.full] = "key"
-        known[b.value.full] = "value"
-    out: list[CacheSource] = []
-    for n in g.nodes:
-        src = _cache_at(g, n.name, f"{g.where}: cache '{n.name}'", "") if n.op in ("concat", DYN_CACHE_OP) else None
-        if src is None:
-            continue
-        role = known.get(src.full) or _role_by_name(src.past, src.full, n.arg("name").value if isinstance(
-            n.arg("name"), A.StringLiteral) else None) or _role_by_use(g, src.full)
-        if not role:
-            raise ConversionError(f"{g.where}: cache '{src.full}' ({n.op}): cannot tell whether it holds keys or "
-                                  f"values (from the attention, its names or its use)")
-        src.role = role
-        out.append(src)
-    return out
-
-
-def exporter_problems(g: GraphEdit) -> list[str]:
-    """Known exporter bugs that make an archive unrunnable, one line each naming the node.
-
-    * torch-to-nnef ``--reify-sdpa-operator`` with grouped-query attention reshapes the query to
-      ``[B, Hkv, G*S, D]`` with ``G*S`` traced at ``S = 1``: the reshape's sequence entry is a literal while
-      the cache axis is symbolic, so no call of another length can run (tract refuses to load it)."""
+def _folded(g: GraphEdit, missed: list[tuple[Node, Miss | None]]) -> tuple[list[AttentionBlock], list[Miss]]:
+    """The softmaxes the standard walk missed, followed through layout ops and proved by one run
+    (:mod:`.folded`); the others keep their miss (None: a softmax over another axis, not an attention)."""
+    cands = [(sm, miss, _follow_folded(g, sm)) for sm, miss in missed]
+    todo = [(c, miss) for _, miss, c in cands if c is not None]
+    misses = [miss for _, miss, c in cands if c is None and miss is not None]
+    if not todo:
+        return [], misses
+    blocks = []
+    for c, _ in todo:
+        scale, softcap, mask, bad = _interpret(c.ops)
+        blocks.append(AttentionBlock("folded", c.query_side[0], c.key, c.value, c.pv, scale, mask,
+                                     nodes=[c.product, *[o[2] for o in c.ops], *c.forward, c.pv], softcap=softcap,
+                                     unsupported=bad))
+    read_block_masks(g, blocks)
+    proofs = folded.prove(g, [(c, b) for (c, _), b in zip(todo, blocks)])
     out = []
-    for n in [n for n in g.nodes if n.op == "tract_transformers_sdpa"]:
-        q = n.arg_name("q")
-        r = g.node(q)
-        if r is None or r.op != "reshape":
+    for (c, miss), b in zip(todo, blocks):
+        p = proofs[c.softmax]
+        if isinstance(p, str):
+            miss = miss or Miss(c.softmax, "softmax", "a softmax over the last axis of the scores", c.softmax)
+            misses.append(Miss(miss.node, miss.op, f"{miss.expected} (followed through layout ops: {p})", miss.around))
             continue
-        shape = r.arg("shape")
-        if not isinstance(shape, A.ArrayExpr) or len(shape.items) != 4:
-            continue
-        seq = shape.items[2]
-        lit = static_value(seq)
-        symbolic_input = any(
-            isinstance(d, A.Identifier) or not isinstance(static_value(d), int) for d in shape.items[:2]
-        )
-        if isinstance(lit, int) and not isinstance(lit, bool) and lit > 1 and symbolic_input:
-            out.append(f"{g.where}: node '{r.name}' (reshape) fixes the sdpa query's sequence axis at {lit}: "
-                       f"torch-to-nnef --reify-sdpa-operator with grouped-query attention bakes the traced S = 1 into "
-                       f"this reshape; no other length runs; re-export without it")
+        b.q, b.query_layout, b.output, b.layout = p.query, p.query_layout, p.output, p.layout
+        out.append(b)
+    return out, misses
+
+
+# ----------------------------------------------------------------------------------------------
+# attentions tract's declutter folded into layout ops (proved and rewritten by converters/folded.py)
+#: the ops a folded attention's layout goes through: views, transposes, casts and copies
+LAYOUT_OPS = ops_having("view") | ops_having("numpy_view") | ops_having("passthrough")
+#: ... and after the softmax, slices too (tract keeps only the last query of the last layer)
+FORWARD_OPS = LAYOUT_OPS | {"slice"}
+
+
+@dataclass
+class Folded:
+    """A softmax whose attention was followed through layout ops, before the proof."""
+
+    softmax: str
+    product: str  # q . K^T (A operand: the query in its folded layout)
+    query_side: list[str]  # A, then its layout ancestors (nearest first)
+    ops: list[tuple]  # the score transforms (attention._interpret's input)
+    pv: str  # P . V
+    forward: list[str]  # the names from the softmax to P . V (softmax first)
+    key: Any  # CacheSource
+    value: Any  # CacheSource
+    after: list[str] = field(default_factory=list)  # P . V's layout descendants (nearest first)
+
+
+def _layout_back(g: GraphEdit, name: str | None) -> list[str]:
+    """``name`` and its ancestors through layout ops (nearest first)."""
+    out: list[str] = []
+    cur = name
+    while cur is not None and len(out) < 32:
+        out.append(cur)
+        n = g.node(cur)
+        if n is None or n.op not in LAYOUT_OPS:
+            break
+        cur = n.arg_name("input") or n.arg_name("x")
     return out
 
 
-def refuse_exporter_problems(model: Any, where: str) -> None:
-    """Raise :class:`~nnef_kv.errors.GraphError` with the first of :func:`exporter_problems` of ``model`` (a model
-    with a graph), the explanation ``inspect`` gives, before a command's work fails on it with a raw error."""
-    from ..errors import GraphError
+def _layout_forward(g: GraphEdit, name: str) -> list[str]:
+    """``name``'s descendants through layout ops read by nothing else (nearest first, ``name`` excluded)."""
+    out: list[str] = []
+    cur = name
+    while len(out) < 32:
+        users = g.users(cur)
+        if len(users) != 1 or users[0].op not in FORWARD_OPS or len(users[0].names) != 1:
+            break
+        cur = users[0].name
+        out.append(cur)
+    return out
 
-    if getattr(getattr(model, "document", None), "graph", None) is None:
-        return
-    problems = exporter_problems(GraphEdit(model.document, getattr(model, "tensors", {}) or {}, where))
-    if problems:
-        raise GraphError(problems[0])
+
+def _follow_folded(g: GraphEdit, sm: Node) -> Folded | None:
+    """The folded attention around softmax ``sm`` (syntactically), else None."""
+    x = sm.arg_name("x")
+    if x is None:
+        return None
+    try:
+        mm1, ops = _to_scores(g, x, through=LAYOUT_OPS)
+    except _Stop:
+        return None
+    prod = _product(mm1)
+    if prod is None:
+        return None
+    a, b, _ = prod
+    cur, fwd = sm.name, [sm.name]
+    mm2 = None
+    for _ in range(16):
+        users = g.users(cur)
+        if len(users) != 1:
+            return None
+        u = users[0]
+        if u.op in FORWARD_OPS:
+            cur = u.name
+            fwd.append(cur)
+            continue
+        p2 = _product(u)
+        if p2 is not None and p2[0] == cur and not p2[2]:
+            mm2 = u
+        break
+    if mm2 is None:
+        return None
+    where = f"{g.where}: attention at '{mm2.name}'"
+    key = _cache_at(g, _layout_back(g, b)[-1], where, "key")
+    value = _cache_at(g, _layout_back(g, _product(mm2)[1])[-1], where, "value")  # type: ignore[index]
+    if key is None or value is None or key.kind != value.kind:
+        return None
+    return Folded(sm.name, mm1.name, _layout_back(g, a), ops, mm2.name, fwd, key, value, _layout_forward(g, mm2.name))

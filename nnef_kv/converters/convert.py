@@ -11,7 +11,7 @@ from ..errors import ConversionError
 from ..interpreter.catalog import ops_with
 from .graph_edit import GraphEdit
 from .options import ConvertOptions
-from .attention import exporter_problems
+from .caches import exporter_problems
 from .masks import positions_bound
 from .passes import (
     REWRITES,

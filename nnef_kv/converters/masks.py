@@ -6,7 +6,8 @@ computed by the interpreter on its own: the statements it depends on are cut out
 *cone*: the symbols and the graph inputs it reads, never the weights of the model), then run at a ladder
 of bindings of the query length ``S`` and of the cached length ``P`` (``S`` = 4 at ``P`` = 0, 3 at 5,
 then 2 at ``P`` = 29 ... 17,000, within the graph's ``tract_assert`` bound), inputs as zeros (an input
-named like ``*mask*`` as ones: nothing padded). Each value is read as ``allowed[query, key]`` over the
+named like ``*mask*`` as ones: nothing padded), and once more at the first binding with random inputs: a mask
+that changes with them depends on data, not lengths (``other``). Each value is read as ``allowed[query, key]`` over the
 scores' ``[S, P + S]`` (a float mask allows where it is 0 and blocks where it is <= -1e4; a bool mask
 allows where true) and named:
 
@@ -261,9 +262,16 @@ def read_masks(g: GraphEdit, sites: list[MaskSite], query_symbol: str | None, pa
         why = f"it cannot be evaluated on its own ({clip(' '.join(str(exc).split()), 300)})"
         return {m: MaskReading("other", detail=why) for m in masks}
     done: list[tuple[int, int]] = []
+    moved: dict[str, str] = {}
     for s, p in ladder:
         try:
             values = _evaluate(plan, {query_symbol: s, past_symbol: p})
+            if not done:  # a mask is a function of lengths: the same with other input values
+                other = _evaluate(plan, {query_symbol: s, past_symbol: p}, seed=0)
+                for m in masks:
+                    if not np.array_equal(values[m], other[m], equal_nan=True):
+                        moved[m] = (f"it depends on the values of the graph's inputs, not only on their lengths (at "
+                                    f"S={s}, P={p}): a data-dependent bias or padding mask")
         except NnefKvError as exc:
             errors.append(f"at S={s}, P={p}: {clip(' '.join(str(exc).split()), 300)}")
             continue
@@ -276,7 +284,8 @@ def read_masks(g: GraphEdit, sites: list[MaskSite], query_symbol: str | None, pa
     s_last, p_last = done[-1]
     checked = (f"{len(done)} bindings, S={done[0][0]} P={done[0][1]} .. S={s_last} P={p_last} "
                f"({p_last + s_last} positions)")
-    return {m: combine(per[m], checked) for m in masks}
+    return {m: MaskReading("other", detail=moved[m], checked=checked) if m in moved else combine(per[m], checked)
+            for m in masks}
 
 
 def _plan(doc: A.Document, tensors: dict[str, Any]) -> Any:
@@ -285,8 +294,9 @@ def _plan(doc: A.Document, tensors: dict[str, Any]) -> Any:
     return Model(document=doc, tensors=tensors).session(threads=1).plan
 
 
-def _evaluate(plan: Any, symbols: dict[str | None, int]) -> dict[str, np.ndarray]:
-    """The plan's outputs at the symbol values given (others 1), every input zeros (``*mask*`` ones)."""
+def _evaluate(plan: Any, symbols: dict[str | None, int], seed: int | None = None) -> dict[str, np.ndarray]:
+    """The plan's outputs at the symbol values given (others 1), every input zeros (``*mask*`` ones), or with
+    ``seed`` random values (token ids in [0, 8), floats N(0, 1); ``*mask*`` still ones)."""
     from ..interpreter.plan.execute import bind_inputs, execute
     from ..interpreter.values import Lazy
 
@@ -296,89 +306,33 @@ def _evaluate(plan: Any, symbols: dict[str | None, int]) -> dict[str, np.ndarray
     v = list(plan.base)
     for name, slot in g.symbols.items():
         v[slot] = value[name]
+    rng = np.random.default_rng(seed) if seed is not None else None
     feed: dict[str, np.ndarray] = {}
     for spec in plan.inputs:
         dims = [value[d] if isinstance(d, str) else int(d.fn(v)) if isinstance(d, Lazy) else int(d)
                 for d in spec.shape]
-        fill = 1 if "mask" in spec.name.lower() else 0
-        feed[spec.name] = np.broadcast_to(np.array(fill, spec.dtype), dims)
+        dt = np.dtype(spec.dtype)
+        if "mask" in spec.name.lower():
+            feed[spec.name] = np.broadcast_to(np.array(1, dt), dims)
+        elif rng is None or dt == np.bool_:
+            feed[spec.name] = np.broadcast_to(np.array(0, dt), dims)
+        elif np.issubdtype(dt, np.floating):
+            feed[spec.name] = rng.standard_normal(dims).astype(dt)
+        else:
+            feed[spec.name] = rng.integers(0, 8, dims).astype(dt)
     bound = {k: (n, "the mask reading") for k, n in value.items()}
     vals = bind_inputs(plan, feed, bound)
     execute(plan, vals, [])
     return {name: np.asarray(vals[slot]) for name, slot in plan.outputs}
 
 
-# ----------------------------------------------------------------------------------------------
-# what an export lost: the window its config declares
-# ----------------------------------------------------------------------------------------------
-def declared_windows(config: dict[str, Any]) -> tuple[int, int, int] | None:
-    """``(window, sliding layers, layers)`` a Hugging Face ``config.json`` declares, else None: from
-    ``layer_types`` (``"sliding_attention"`` entries) when given, else every layer when ``sliding_window`` is a
-    positive integer and ``use_sliding_window`` is not false."""
-    w = config.get("sliding_window")
-    if isinstance(config.get("text_config"), dict) and w is None:  # multimodal configs nest the decoder's
-        return declared_windows(config["text_config"])
-    if not isinstance(w, int) or isinstance(w, bool) or w <= 0:
-        return None
-    types = config.get("layer_types")
-    if isinstance(types, list) and types:
-        n = sum(1 for t in types if t == "sliding_attention")
-        return (w, n, len(types)) if n else None
-    if config.get("use_sliding_window") is False:
-        return None
-    layers = config.get("num_hidden_layers")
-    layers = layers if isinstance(layers, int) and layers > 0 else 0
-    return w, layers, layers
-
-
-def config_beside(path: Any) -> Any:
-    """The ``config.json`` an exporter left with the archive at ``path`` (inside a folder archive, named
-    ``<base>.config.json`` beside it, or ``config.json`` beside it: torch-to-nnef's layout), else None."""
-    from pathlib import Path
-
-    from ..text import named_beside
-
-    p = Path(path)
-    for c in ((p / "config.json",) if p.is_dir() else ()) + (named_beside(p, "config.json"), p.parent / "config.json"):
-        if c.is_file():
-            return c
-    return None
-
-
-def lost_window_note(model: Any, path: Any) -> str | None:
-    """One line when the ``config.json`` beside the archive declares a sliding window but no attention mask of
-    the graph holds one (the export runs the model without its window), else None."""
-    import json
-
-    cfg = config_beside(path)
-    if cfg is None or getattr(model, "document", None) is None or model.document.graph is None:
-        return None
-    try:
-        with open(cfg, encoding="utf-8") as f:
-            config = json.load(f)
-    except (OSError, ValueError):
-        return None
-    declared = declared_windows(config) if isinstance(config, dict) else None
-    if declared is None:
-        return None
-    from .attention import find_attention
-
-    try:
-        g = GraphEdit(model.document, getattr(model, "tensors", {}) or {})
-        g.make_ssa()
-        blocks, _ = find_attention(g)
-        query, past = length_symbols(g, [c for b in blocks for c in (b.key, b.value)])
-        sites = [MaskSite(b.mask, b.is_causal) for b in blocks if b.mask is not None]
-        readings = read_masks(g, sites, query, past)
-    except NnefKvError:
-        return None
-    windowed = sum(1 for b in blocks if b.mask is not None and readings[b.mask].kind == "window")
-    causal = sum(1 for b in blocks if (b.mask is None and b.is_causal) or
-                 (b.mask is not None and readings[b.mask].kind == "causal"))
-    w, sliding, layers = declared
-    if not blocks or windowed >= sliding or causal == 0:
-        return None
-    return (f"{cfg} declares a sliding window of {w} tokens on {sliding} of {layers} layers, but {windowed or 'none'} "
-            f"of the graph's {len(blocks)} attention masks holds one ({causal} read as plain causal): the export runs "
-            f"the model without its window, alike up to {w} positions, different past them (stock torch-to-nnef "
-            f"0.24.12 exports of Mistral, Gemma 2/3 and Qwen2 do not encode the window)")
+def read_block_masks(g: GraphEdit, blocks: list[Any]) -> None:
+    """Set ``mask_reading`` on each attention block (:class:`~.attention.AttentionBlock`) holding a mask not
+    read yet."""
+    todo = [b for b in blocks if b.mask is not None and b.mask_reading is None]
+    if not todo:
+        return
+    query, past = length_symbols(g, [c for b in blocks for c in (b.key, b.value)])
+    readings = read_masks(g, [MaskSite(b.mask, b.is_causal) for b in todo], query, past)
+    for b in todo:
+        b.mask_reading = readings[b.mask]

@@ -38,10 +38,10 @@ from ..errors import ConversionError
 from ..grammar import ast as A
 from ..interpreter.catalog import extensions_for, ops_with
 from ..kv.schemes import SCHEMES, AttentionSite, CacheSite, Scheme
-from .attention import (DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention,
-                        find_caches)
+from .attention import DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention
+from .caches import find_caches
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
-from .masks import MaskSite, length_symbols, read_masks
+from .masks import read_block_masks
 from .options import ConvertOptions
 
 POSITION_CACHE = "nnef_kv_positions"
@@ -159,7 +159,7 @@ def _layers_check(ctx: ConversionContext, layers: int) -> None:
 
 
 def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: int | None,
-                      layer: int = 0) -> A.Invocation:
+                      layer: int = 0, query: str | None = None) -> A.Invocation:
     scale = block.scale
     if scale is None:
         if head_dim is None:
@@ -169,7 +169,8 @@ def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: i
     causal = block.is_causal or (block.mask_reading is not None and block.mask_reading.kind == "causal")
     site = AttentionSite(scale=float(scale), is_causal=bool(causal),
                          softcap=float(block.softcap or 0.0), layer=layer)
-    return invocation(ctx.scheme.op, A.Identifier(block.q), A.Identifier(block.key.new), A.Identifier(block.value.new),
+    return invocation(ctx.scheme.op, A.Identifier(query or block.q), A.Identifier(block.key.new),
+                      A.Identifier(block.value.new),
                       **ctx.scheme.attributes(ctx.settings, site))
 
 
@@ -222,18 +223,6 @@ def _holds_softmax(frag: A.FragmentDecl, doc: A.Document, depth: int = 0) -> boo
     return False
 
 
-def _read_masks(g: GraphEdit, blocks: list[AttentionBlock]) -> None:
-    """Each block's mask, read by evaluating it (:mod:`.masks`), into ``mask_reading``."""
-    sites = [MaskSite(b.mask, b.is_causal) for b in blocks if b.mask is not None]
-    if not sites:
-        return
-    query, past = length_symbols(g, [c for b in blocks for c in (b.key, b.value)])
-    readings = read_masks(g, sites, query, past)
-    for b in blocks:
-        if b.mask is not None:
-            b.mask_reading = readings[b.mask]
-
-
 def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:
     """The fused op of the scheme must express the attention: refuse in one line otherwise, naming the
     schemes that would convert it."""
@@ -282,17 +271,25 @@ class AttentionPass:
         ctx.found = blocks
         if not blocks:
             return rep
+        for m in misses:  # converted beside others: that layer keeps its exported attention and f32 cache
+            rep.change(f"softmax '{m.around}' left as exported, not converted: {m.message()}")
         op = ctx.scheme.op
         present: list[str] = []
         drop: set[str] = set()
-        _read_masks(g, blocks)
+        read_block_masks(g, blocks)  # what each mask is, by evaluating it (converters/masks.py)
         for b in blocks:
             _check_scheme(ctx, b)
         _layers_check(ctx, len(blocks))
         for layer, b in enumerate(blocks):
             ctx.blocks.append(b)
             head_dim = self._record_caches(ctx, b, present, drop)
-            g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim, layer))
+            if b.kind == "folded":  # converters/folded.py: the query and the result in the graph's own layouts
+                from .folded import rewrite
+
+                rewrite(g, b, lambda q, b=b, layer=layer, head_dim=head_dim:
+                        _fused_invocation(ctx, b, head_dim, layer, query=q))
+            else:
+                g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim, layer))
             rep.nodes_replaced.append(f"{b.output}: {b.kind} -> {op}")
             if b.mask is not None and b.mask_reading is not None and b.mask_reading.kind == "none":
                 rep.notes.append(f"attention '{b.output}': mask '{b.mask}' read as {b.mask_reading.describe()}: "

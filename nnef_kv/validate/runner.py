@@ -40,7 +40,7 @@ from .decode import InterpreterDecoder, TractDecoder, tract_available
 from .results import (DEFAULT_CONTEXT_FLOOR, DEFAULT_EVAL_TOKENS, DEFAULT_WINDOWS, MIN_EVAL_TOKENS, THRESHOLDS, Check,
                       ContextResult, Measurement, ParityResult, ValidateOptions, ValidationReport)
 from .roundtrip import check_round_trip
-from ..converters.attention import refuse_exporter_problems as _exporter_bugs
+from ..converters.caches import refuse_exporter_problems as _exporter_bugs
 
 __all__ = ["ValidateOptions", "Check", "ParityResult", "ContextResult", "Measurement", "ValidationReport",
            "validate_model", "resolve_contexts", "resolve_plan", "Plan", "window_starts", "max_positions",
