@@ -132,3 +132,16 @@ def test_torch_to_nnef_exports_tract_rewrote(tmp_path, name) -> None:
         model, report = convert(original, scheme, **options)
         got = _decode(model, toks, n)
         assert np.array_equal(got.argmax(-1), base.argmax(-1)) and np.abs(got - base).max() < 0.05
+
+
+def test_tract_runs_the_tract_cache_conversion_of_its_own_rewrite(gqa) -> None:
+    """tract (the oracle) runs the converted archive and agrees with nnef-kv on it."""
+    from nnef_kv.tract_driver import Stateful
+
+    model, _ = convert(nnef_kv.load(gqa), "tract-cache", bits=8)
+    ours = _decode(model)
+    oracle = Stateful(model)
+    rows = [oracle.run_first([np.array([TOKENS[:PROMPT]], np.int64)])]
+    rows += [oracle.run_first([np.array([[t]], np.int64)]) for t in TOKENS[PROMPT:]]
+    theirs = np.stack([r.reshape(-1, r.shape[-1])[-1] for r in rows])
+    np.testing.assert_allclose(ours, theirs, atol=1e-3)

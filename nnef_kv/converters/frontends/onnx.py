@@ -42,6 +42,7 @@ import numpy as np
 from ...errors import ConversionError
 from ...grammar import ast as A
 from ..graph_edit import invocation
+from ..masks import pattern
 from .base import FrontEnd
 
 SHAPE_OPS = ("Shape", "Size")
@@ -167,7 +168,8 @@ def _classify(model: Any, boundary: list[str], roles: dict[str, tuple[str, int]]
                     and np.issubdtype(v.dtype, np.floating):
                 m = v.reshape(s, t)
                 future = np.arange(t)[None, :] > (p + np.arange(s))[:, None]
-                if np.all(m[~future] == 0) and np.all(m[future] <= -1e4):
+                read = pattern(m, s, p)[0]  # the converter's own reading of a mask (converters/masks.py)
+                if read == "causal" or (read == "full" and not future.any()):
                     kind = "mask"
                     if future.any():
                         fills.setdefault(b, float(m[future].max()))
