@@ -145,3 +145,26 @@ def test_tract_runs_the_tract_cache_conversion_of_its_own_rewrite(gqa) -> None:
     rows += [oracle.run_first([np.array([[t]], np.int64)]) for t in TOKENS[PROMPT:]]
     theirs = np.stack([r.reshape(-1, r.shape[-1])[-1] for r in rows])
     np.testing.assert_allclose(ours, theirs, atol=1e-3)
+
+
+def test_validate_reads_a_folded_reference_one_token_a_call(gqa, tmp_path, capsys) -> None:
+    """tract's folded last layer keeps only its last query, which a stepwise run cannot pass through: the
+    decoder notices (the failed run changed nothing) and teacher-forces with one-token calls, the same answers."""
+    from nnef_kv.cli import main
+    from nnef_kv.validate.decode import InterpreterDecoder
+
+    folded_dec, plain_dec = InterpreterDecoder(nnef_kv.load(gqa)), InterpreterDecoder(build_decoder(_cfg(1, heads=2)))
+    for d in (folded_dec, plain_dec):
+        d.prefill(TOKENS[:PROMPT])
+    got, want = folded_dec.teacher(TOKENS[PROMPT:])[0], plain_dec.teacher(TOKENS[PROMPT:])[0]
+    assert folded_dec.stepwise is False and plain_dec.stepwise is True
+    np.testing.assert_allclose(got, want, atol=1e-4)
+    out = tmp_path / "k.nnef.tar"
+    assert main(["convert", str(gqa), "--scheme", "kivi", "-o", str(out)]) == 0
+    ids = tmp_path / "ids.txt"
+    ids.write_text(" ".join(str((7 * i) % 64) for i in range(200)))
+    capsys.readouterr()
+    assert main(["validate", str(out), "--reference", str(gqa), "--ids", str(ids), "--context", "32",
+                 "--eval-tokens", "32", "--windows", "2"]) in (0, 1)
+    text = capsys.readouterr().out
+    assert "Mean KLD" in text and "64; 95% intervals" in text

@@ -24,7 +24,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 
 from .. import tract_driver
-from ..errors import InputError
+from ..errors import InputError, NnefKvError
 from .capture import attention_step_indices, run_capturing
 
 __all__ = ["DecodeSignature", "detect_signature", "InterpreterDecoder", "TractDecoder", "DecodeTrace", "run_decode",
@@ -139,6 +139,9 @@ class InterpreterDecoder:
         self.sig = detect_signature(self.session.plan, str(getattr(model, "source", None) or "<model>"))
         self.capture = attention_step_indices(self.session.plan) if capture_attention else None
         self.last_attention: list[np.ndarray] = []
+        #: None until a teacher-forced run tells; False: the graph cannot run stepwise (tract's folded last
+        #: layer squeezes the one query it keeps), so :meth:`teacher` makes one-token calls: the same answers
+        self.stepwise: bool | None = None
         self.reset()
 
     def reset(self) -> None:
@@ -194,10 +197,30 @@ class InterpreterDecoder:
 
     def teacher(self, ids: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
         """Feed ``ids`` as one stepwise run (each token answered as a one-token call would have):
-        logits ``[n, V]`` and, when capturing, each attention op's output ``[B, Hq, n, D]``."""
+        logits ``[n, V]`` and, when capturing, each attention op's output ``[B, Hq, n, D]``. A graph that cannot
+        run stepwise (the run is all-or-nothing: nothing changed) is fed one token a call instead."""
         n = len(ids)
         if n == 0:
             return np.zeros((0, 0), np.float32), []
+        if self.stepwise is not False:
+            try:
+                got = self._teacher_stepwise(ids)
+                self.stepwise = True
+                return got
+            except NnefKvError:
+                if self.stepwise or n == 1:
+                    raise
+                self.stepwise = False
+        rows, parts = [], []
+        for t in ids:
+            row, att = self.prefill([int(t)])
+            rows.append(row)
+            parts.append(att)
+        att = [np.concatenate([p[i] for p in parts], axis=-2) for i in range(len(parts[0]))] if parts[0] else []
+        return np.stack(rows).astype(np.float32, copy=False), att
+
+    def _teacher_stepwise(self, ids: Sequence[int]) -> tuple[np.ndarray, list[np.ndarray]]:
+        n = len(ids)
         if self.capture:
             out, caps = self.session.run(self._feed(ids), capture=self._nodes(), stepwise=True)
             att = [np.array(caps[nd.name], copy=True) for nd in self._nodes()]
