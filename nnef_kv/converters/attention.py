@@ -381,15 +381,16 @@ def cache_source(g: GraphEdit, name: str, where: str, what: str) -> CacheSource 
 
 
 # ----------------------------------------------------------------------------------------------
-def _forward_to_pv(g: GraphEdit, sm: Node) -> tuple[Node | None, list[str]]:
-    """From a softmax forward through casts to ``p . V`` (p the first operand)."""
+def _forward_to_pv(g: GraphEdit, sm: Node, through: Any = PASSTHROUGH, steps: int = 8
+                   ) -> tuple[Node | None, list[str]]:
+    """From a softmax forward through casts (``through``) to ``p . V`` (p the first operand)."""
     cur, fwd = sm.name, [sm.name]
-    for _ in range(8):
+    for _ in range(steps):
         users = g.users(cur)
         if len(users) != 1:
             return None, fwd
         u = users[0]
-        if u.op in PASSTHROUGH:
+        if u.op in through:
             cur = u.name
             fwd.append(cur)
             continue
@@ -566,21 +567,7 @@ def _follow_folded(g: GraphEdit, sm: Node) -> Folded | None:
     if prod is None:
         return None
     a, b, _ = prod
-    cur, fwd = sm.name, [sm.name]
-    mm2 = None
-    for _ in range(16):
-        users = g.users(cur)
-        if len(users) != 1:
-            return None
-        u = users[0]
-        if u.op in FORWARD_OPS:
-            cur = u.name
-            fwd.append(cur)
-            continue
-        p2 = _product(u)
-        if p2 is not None and p2[0] == cur and not p2[2]:
-            mm2 = u
-        break
+    mm2, fwd = _forward_to_pv(g, sm, FORWARD_OPS, 16)
     if mm2 is None:
         return None
     where = f"{g.where}: attention at '{mm2.name}'"
