@@ -276,6 +276,8 @@ def read_masks(g: GraphEdit, sites: list[MaskSite], query_symbol: str | None, pa
             errors.append(f"at S={s}, P={p}: {clip(' '.join(str(exc).split()), 300)}")
             continue
         done.append((s, p))
+        if len(moved) == len(masks):  # every mask depends on data: nothing more to read
+            break
         for x in sites:
             per[x.mask].append((s, p, pattern(values[x.mask], s, p, x.causal_too)))
     if not done:
