@@ -31,7 +31,8 @@ def cmd_inspect(args: Any) -> int:
                        f"first (nnef-kv convert {src} -o {src.name.split('.')[0] or 'model'}.nnef.tgz)")
     model = frontends.load(src) if fe is not None else load(src)
     refuse_exporter_problems(model, str(src))  # a known exporter bug, explained
-    note_lost_window(model, src)
+    if not args.no_check:  # the note evaluates the masks: graph building
+        note_lost_window(model, src)
     checked = None if args.no_check or model.document.graph is None else check_model(model)
     print(summarize(model).to_text())
     if checked is not None:

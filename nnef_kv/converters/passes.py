@@ -239,10 +239,8 @@ def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:
         raise ConversionError(f"{where}: its mask '{b.mask}' is not one {s.op} expresses (full causal or none): "
                               f"{r.describe()}{keep}; nothing written")
     if b.unsupported:
-        hint = (f"; scheme {' or '.join(cache_only)} converts the caches only and keeps the attention as exported"
-                if cache_only else "")
         raise ConversionError(f"{where}: its scores go through {', '.join(b.unsupported)} before the softmax, which "
-                              f"{s.op} does not compute{hint}")
+                              f"{s.op} does not compute{keep}")
     if b.softcap and not s.softcap:
         others = [f"--scheme {x.name} (softcap attribute)" for x in SCHEMES.values() if x.rewrite == "attention"
                   and x.softcap] + [f"--scheme {n}" for n in cache_only]
