@@ -224,10 +224,11 @@ def _const_operand(g: GraphEdit, n: Node) -> tuple[float, str] | None:
     return None
 
 
-def _to_scores(g: GraphEdit, start: str, depth: int = 0, through: Any = PASSTHROUGH) -> tuple[Node, list[tuple]]:
+def _to_scores(g: GraphEdit, start: str, depth: int = 0, layouts: bool = False) -> tuple[Node, list[tuple]]:
     """From a softmax input back to the scores product: the product node and the transforms met on the
     way, in the order they are applied (product first). Raises :class:`_Stop` where it cannot go on.
-    ``through``: the ops walked through unrecorded (casts; layout ops too for :mod:`.folded`)."""
+    ``layouts``: walk through layout ops too, and take any product (its K layout is proved by :mod:`.folded`)."""
+    through = LAYOUT_OPS if layouts else PASSTHROUGH
     ops: list[tuple] = []
     cur = start
     for _ in range(64):
@@ -235,7 +236,7 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0, through: Any = PASSTHRO
         if n is None or n.inv is None:
             raise _Stop(cur, None, f"a computed scores tensor (q . K^T and then {SCORE_TRANSFORMS})")
         if _product(n) is not None:
-            if through is PASSTHROUGH and _key_of_scores(g, n) is None:
+            if not layouts and _key_of_scores(g, n) is None:
                 raise _Stop(n.name, n.op, "q . K^T with K^T a transpose(K, [0, 1, 3, 2]), transposeB = true, or an "
                                           "einsum bcij,bcjk->bcik / bcij,bckj->bcik")
             return n, list(reversed(ops))
@@ -266,7 +267,7 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0, through: Any = PASSTHRO
                     if s is None or m is None:
                         continue
                     try:
-                        _to_scores(g, s, depth + 1, through)
+                        _to_scores(g, s, depth + 1, layouts)
                     except _Stop:
                         continue
                     ops.append(("mask", m, n.name))
@@ -406,7 +407,7 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
     looks like an attention but could not be followed (or has no KV cache)."""
     blocks: list[AttentionBlock] = []
     misses: list[Miss] = []
-    folded: list[tuple[Any, Miss | None]] = []
+    missed: list[tuple[Any, Miss | None]] = []  # for the walk through layout ops (_folded)
     for sm in [n for n in g.nodes if n.op in SOFTMAX_OPS]:
         x = sm.arg_name("x")
         axis = _single_axis(sm, "axes")
@@ -414,11 +415,11 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
             continue
         try:
             if axis not in (3, -1):  # not the standard layout: an attention only if folded (else not one)
-                folded.append((sm, None))
+                missed.append((sm, None))
                 continue
             mm1, ops = _to_scores(g, x)
         except _Stop as stop:
-            folded.append((sm, Miss(stop.node, stop.op, stop.expected, sm.name)))
+            missed.append((sm, Miss(stop.node, stop.op, stop.expected, sm.name)))
             continue
         q, kfull, kfactor = _key_of_scores(g, mm1)  # type: ignore[misc]
         mm2, fwd = _forward_to_pv(g, sm)
@@ -471,7 +472,7 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
         blocks.append(AttentionBlock("sdpa", q, key, value, n.name, scale or None, n.arg_name("mask"),
                                      is_causal=bool(static_value(causal)) if causal is not None else False,
                                      nodes=[n.name]))
-    found, left = _folded(g, folded)
+    found, left = _folded(g, missed)
     blocks += found
     misses += left
     return blocks, misses
@@ -537,7 +538,7 @@ def _layout_back(g: GraphEdit, name: str | None) -> list[str]:
         n = g.node(cur)
         if n is None or n.op not in LAYOUT_OPS:
             break
-        cur = n.arg_name("input") or n.arg_name("x")
+        cur = _first_input(n)
     return out
 
 
@@ -560,7 +561,7 @@ def _follow_folded(g: GraphEdit, sm: Node) -> Folded | None:
     if x is None:
         return None
     try:
-        mm1, ops = _to_scores(g, x, through=LAYOUT_OPS)
+        mm1, ops = _to_scores(g, x, layouts=True)
     except _Stop:
         return None
     prod = _product(mm1)

@@ -51,40 +51,20 @@ NEW, PAST = 3, 2
 def _feed_and_run(g: GraphEdit, names: list[str], caches: list[Any]) -> dict[str, np.ndarray]:
     """One run of the graph (2 cached tokens, then 3 new ones; random inputs), capturing ``names``."""
     from ..io.archive import Model
-    from ..interpreter.values import Lazy
-    from .masks import length_symbols
+    from .masks import input_feed, length_symbols
 
     query, past = length_symbols(g, caches)
     session = Model(document=g.document(), tensors=g.tensors).session(threads=1)
-    plan = session.plan
     rng = np.random.default_rng(0)
 
     def feed(s: int, p: int) -> dict[str, np.ndarray]:
-        value = {name: 1 for name in plan.graph.symbols}
-        value.update({k: v for k, v in ((query, s), (past, p)) if k is not None})
-        v = list(plan.base)
-        for name, slot in plan.graph.symbols.items():
-            v[slot] = value[name]
-        out = {}
-        for spec in plan.inputs:
-            dims = [value[d] if isinstance(d, str) else int(d.fn(v)) if isinstance(d, Lazy) else int(d)
-                    for d in spec.shape]
-            dt = np.dtype(spec.dtype)
-            if np.issubdtype(dt, np.floating):
-                out[spec.name] = rng.standard_normal(dims).astype(dt)
-            elif dt == np.bool_:
-                out[spec.name] = np.ones(dims, dt)
-            else:
-                out[spec.name] = rng.integers(0, 4, dims).astype(dt)
-        return out
+        return input_feed(session.plan, {query: s, past: p}, rng)[1]
 
     if session.states:  # the cache lives in the session: fill it first
         session.run(feed(PAST if query else 1, 0))
         if not query:
             session.run(feed(1, 1))
-        _, caps = session.run(feed(NEW if query else 1, PAST), capture=names)
-    else:
-        _, caps = session.run(feed(NEW if query else 1, PAST), capture=names)
+    _, caps = session.run(feed(NEW if query else 1, PAST), capture=names)
     return {k: np.array(v, copy=True) for k, v in caps.items()}
 
 

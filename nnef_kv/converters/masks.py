@@ -30,7 +30,8 @@ import numpy as np
 
 from ..errors import NnefKvError, clip
 from ..grammar import ast as A
-from .graph_edit import GraphEdit, identifiers, stateful_ops
+from ..interpreter.catalog import ops_with
+from .graph_edit import GraphEdit, identifiers, int_list, invocation, stateful_ops
 
 #: a float mask entry at or below this blocks its key (``exp`` of it is 0 in f32)
 BLOCKED = -1e4
@@ -179,9 +180,6 @@ def _stand_in(n: Any) -> A.Assignment | None:
     """A KV cache node of the session (``tract_transformers_dyn_kv_cache``) as a graph input of the shape it
     holds after the call (``past_sequence_shape`` with ``past + input`` along its axis), for a cone that reads
     the cache's length; None for any other node."""
-    from ..interpreter.catalog import ops_with
-    from .graph_edit import int_list, invocation
-
     if n.op not in ops_with(role="kv-cache"):
         return None
     past, new, axis = n.arg("past_sequence_shape"), n.arg("input_sequence_shape"), int_list(n.arg("axis"))
@@ -296,10 +294,10 @@ def _plan(doc: A.Document, tensors: dict[str, Any]) -> Any:
     return Model(document=doc, tensors=tensors).session(threads=1).plan
 
 
-def _evaluate(plan: Any, symbols: dict[str | None, int], seed: int | None = None) -> dict[str, np.ndarray]:
-    """The plan's outputs at the symbol values given (others 1), every input zeros (``*mask*`` ones), or with
-    ``seed`` random values (token ids in [0, 8), floats N(0, 1); ``*mask*`` still ones)."""
-    from ..interpreter.plan.execute import bind_inputs, execute
+def input_feed(plan: Any, symbols: dict[str | None, int], rng: Any = None) -> tuple[dict[str, int], dict[str, Any]]:
+    """The symbol values (those given, every other 1) and an array for each declared input of ``plan`` at
+    them: an input named like ``*mask*`` ones (nothing padded); the others zeros, or with ``rng`` random
+    values (floats N(0, 1), integers in [0, 8), bools true). Zeros and ones are broadcast views (no memory)."""
     from ..interpreter.values import Lazy
 
     g = plan.graph
@@ -308,22 +306,28 @@ def _evaluate(plan: Any, symbols: dict[str | None, int], seed: int | None = None
     v = list(plan.base)
     for name, slot in g.symbols.items():
         v[slot] = value[name]
-    rng = np.random.default_rng(seed) if seed is not None else None
-    feed: dict[str, np.ndarray] = {}
+    feed: dict[str, Any] = {}
     for spec in plan.inputs:
         dims = [value[d] if isinstance(d, str) else int(d.fn(v)) if isinstance(d, Lazy) else int(d)
                 for d in spec.shape]
         dt = np.dtype(spec.dtype)
-        if "mask" in spec.name.lower():
+        if "mask" in spec.name.lower() or (rng is not None and dt == np.bool_):
             feed[spec.name] = np.broadcast_to(np.array(1, dt), dims)
-        elif rng is None or dt == np.bool_:
+        elif rng is None:
             feed[spec.name] = np.broadcast_to(np.array(0, dt), dims)
         elif np.issubdtype(dt, np.floating):
             feed[spec.name] = rng.standard_normal(dims).astype(dt)
         else:
             feed[spec.name] = rng.integers(0, 8, dims).astype(dt)
-    bound = {k: (n, "the mask reading") for k, n in value.items()}
-    vals = bind_inputs(plan, feed, bound)
+    return value, feed
+
+
+def _evaluate(plan: Any, symbols: dict[str | None, int], seed: int | None = None) -> dict[str, np.ndarray]:
+    """The plan's outputs at the symbol values given, on :func:`input_feed`'s inputs (random with ``seed``)."""
+    from ..interpreter.plan.execute import bind_inputs, execute
+
+    value, feed = input_feed(plan, symbols, np.random.default_rng(seed) if seed is not None else None)
+    vals = bind_inputs(plan, feed, {k: (n, "the mask reading") for k, n in value.items()})
     execute(plan, vals, [])
     return {name: np.asarray(vals[slot]) for name, slot in plan.outputs}
 

@@ -40,6 +40,7 @@ from ..interpreter.catalog import extensions_for, ops_with
 from ..kv.schemes import SCHEMES, AttentionSite, CacheSite, Scheme
 from .attention import DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention
 from .caches import find_caches
+from .folded import rewrite as rewrite_folded
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
 from .masks import read_block_masks
 from .options import ConvertOptions
@@ -282,9 +283,7 @@ class AttentionPass:
             ctx.blocks.append(b)
             head_dim = self._record_caches(ctx, b, present, drop)
             if b.kind == "folded":  # converters/folded.py: the query and the result in the graph's own layouts
-                from .folded import rewrite
-
-                rewrite(g, b, lambda q, b=b, layer=layer, head_dim=head_dim:
+                rewrite_folded(g, b, lambda q, b=b, layer=layer, head_dim=head_dim:
                         _fused_invocation(ctx, b, head_dim, layer, query=q))
             else:
                 g.replace_rhs(b.output, _fused_invocation(ctx, b, head_dim, layer))
