@@ -9,7 +9,7 @@ from ..errors import InputError, StateError
 from ..interpreter.registry import KvState
 
 __all__ = ["round_half_away", "GrowBuffer", "BufferCheckpoint", "KvState", "as_f32", "f16_to_f32", "expect_state",
-           "check_qkv", "stepwise_loop"]
+           "check_qkv", "stepwise_loop", "causal_keep", "evict_page", "evicted_tokens"]
 
 
 def round_half_away(x: np.ndarray) -> np.ndarray:
@@ -262,16 +262,38 @@ def start_call(state: Any, q: Any, k: Any, v: Any, check: Any = None
     return q, k, v, dims, out_dtype
 
 
-def causal_keep(total: int, m: int, sq: int, is_causal: bool) -> np.ndarray | None:
+def causal_keep(total: int, m: int, sq: int, is_causal: bool, window: int = 0) -> np.ndarray | None:
     """``[M, T]`` bools: the positions each of the ``m`` query rows sees when the call's ``sq`` queries are the
     last of ``total`` positions (row ``r`` is query ``r % sq``); None when nothing is masked (not causal, or
-    a single query: the last position sees everything)."""
-    if not (is_causal and sq > 1):
+    a single query: the last position sees everything). ``window`` > 0: a sliding window too, the query at
+    position ``p`` sees the positions in ``(p - window, p]`` (only relative positions matter: the columns
+    may start anywhere after the tokens a window evicted)."""
+    masked_below = window > 0 and total - sq + 1 > window  # the first query misses some position
+    if not (is_causal and sq > 1) and not masked_below:
         return None
     qpos = (total - sq) + (np.arange(m) % sq)
-    return np.arange(total)[None, :] <= qpos[:, None]
+    j = np.arange(total)[None, :]
+    keep = j <= qpos[:, None] if (is_causal or window > 0) else np.ones((m, total), bool)
+    if window > 0:
+        keep &= j > qpos[:, None] - window
+    return keep
 
 
+def evict_page(window: int, unit: int = 1) -> int:
+    """Tokens a sliding-window cache lets die before it drops them (a multiple of ``unit``, its group): dropping
+    copies what is held into a new array (an O(1) checkpoint's mark stays valid), so it is done a page at a
+    time, every ``max(64, window / 16)`` tokens, not at every token; what is held stays below
+    ``window + page`` tokens (plus the state's full-precision part)."""
+    want = max(64, window // 16)
+    return unit * max(1, -(-want // unit))
+
+
+def evicted_tokens(dead: int, stored: int, page: int) -> int:
+    """How many of its first tokens a sliding-window store has dropped after a call: of the ``stored`` tokens
+    that have reached the store (from the first position on), the ``dead`` first ones no future query sees;
+    whole pages of them. A function of the two counts only, so the state after a run does not depend on how
+    its tokens were split into calls."""
+    return page * (max(0, min(dead, stored)) // page)
 def softmax_numerators(s: np.ndarray, keep: np.ndarray | None) -> np.ndarray:
     """In place on the scores ``s [n, M, T]``: the positions outside ``keep`` (:func:`causal_keep`) masked,
     each row's max subtracted (the maxima replaced by 0 where not finite when some row's max is -inf or NaN:

@@ -74,7 +74,8 @@ import numpy as np
 
 from ..errors import GraphError, InputError, StateError
 from . import ggml
-from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, start_call
+from .common import (BufferCheckpoint, GrowBuffer, evict_page, evicted_tokens, expect_config_and_shape, expect_state,
+                     start_call)
 
 __all__ = ["CACHE_TYPES", "GGML_TYPE_IDS", "GgmlSdpa", "GgmlSdpaConfig"]
 
@@ -100,21 +101,25 @@ class GgmlSdpaConfig:
     is_causal: bool = True
     block_tokens: int = 0  # tokens dequantized at a time; 0: ~1 MiB of f32 per block
     rotate: bool = False  # llama.cpp's Hadamard rotation of quantized K / V (see the module docstring)
+    window: int = 0  # > 0: a sliding window, a query at position p sees the keys in (p - window, p]
 
     def validate(self, who: str) -> None:
         for nm in ("key_type", "value_type"):
             t = getattr(self, nm)
             if t not in GGML_TYPE_IDS:
                 raise GraphError(f"{who}: {nm} must be one of {', '.join(CACHE_TYPES)}, got {t!r}")
-        for nm in ("residual", "block_tokens"):
+        for nm in ("residual", "block_tokens", "window"):
             if getattr(self, nm) < 0:
                 raise GraphError(f"{who}: {nm} must be >= 0, got {getattr(self, nm)}")
         if not np.isfinite(self.scale):
             raise GraphError(f"{who}: scale must be finite, got {self.scale}")
+        if self.window and not self.is_causal:
+            raise GraphError(f"{who}: a sliding window (window = {self.window}) needs is_causal = true")
 
     def as_array(self) -> np.ndarray:
         """The config as saved in a state: ggml type ids of K and V, residual, state layout."""
-        extra = [1] if self.rotate else []  # appended only when on: states saved before rotate load unchanged
+        # appended only when on: states saved before rotate / window load unchanged
+        extra = ([int(self.rotate)] if self.rotate or self.window else []) + ([self.window] if self.window else [])
         return np.array([GGML_TYPE_IDS[self.key_type], GGML_TYPE_IDS[self.value_type], self.residual,
                          STATE_LAYOUT] + extra, np.int64)
 
@@ -195,16 +200,18 @@ class GgmlSdpa(BufferCheckpoint):
 
     WHO = "nnef_kv_ggml_sdpa"
     QUANTIZED = True
+    _CHECKPOINT_ATTRS = ("len", "evicted")
 
     def __init__(self, axis: int = 2, scale: float = 0.125, key_type: str = "q8_0", value_type: str = "q8_0",
                  residual: int = 0, is_causal: bool = True, block_tokens: int = 0,
-                 score_budget: int = 1 << 22, rotate: bool = False) -> None:
+                 score_budget: int = 1 << 22, rotate: bool = False, window: int = 0) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
         self.cfg = GgmlSdpaConfig(scale=float(scale), key_type=str(key_type).lower(),
                                   value_type=str(value_type).lower(), residual=int(residual),
-                                  is_causal=bool(is_causal), block_tokens=int(block_tokens), rotate=bool(rotate))
+                                  is_causal=bool(is_causal), block_tokens=int(block_tokens), rotate=bool(rotate),
+                                  window=int(window))
         self.cfg.validate(self.WHO)
         # bytes of one [kv heads, query rows, tokens] f32 score block (bounds long prefill chunks)
         self.score_budget = int(score_budget)
@@ -215,6 +222,7 @@ class GgmlSdpa(BufferCheckpoint):
         self.b = self.hkv = self.d = 0
         self.fp_dtype = np.dtype(np.float32)
         self.len = 0
+        self.evicted = 0  # sliding window: tokens dropped from the front of the stored blocks (absolute positions)
         self._ready = False
 
     def _init(self, b: int, hkv: int, d: int, fp_dtype: np.dtype) -> None:
@@ -297,14 +305,14 @@ class GgmlSdpa(BufferCheckpoint):
             raise InputError(f"{self.WHO}: a stepwise call needs one query row per new token, got {sq} "
                              f"queries for {snew} tokens")
         r = self.cfg.residual
-        tq0, total = self.n_quant, self.len + snew
+        tq0, total = self.evicted + self.n_quant, self.len + snew
         # window + new tokens (positions tq0 .. total); the oldest nq of them leave the window
         wk = np.concatenate([self.res_k.view(), ks], axis=1) if r else ks
         wv = np.concatenate([self.res_v.view(), vs], axis=1) if r else vs
         nq = max(0, wk.shape[1] - r)
         kc, vc = self.k_cache, self.v_cache
         new_k, new_v = kc.encode(wk[:, :nq]), vc.encode(wv[:, :nq])
-        stored = _Segment(0, kc.buf.view(), vc.buf.view(), kc.decode, vc.decode, "all")
+        stored = _Segment(self.evicted, kc.buf.view(), vc.buf.view(), kc.decode, vc.decode, "all")
         if r == 0:  # llama.cpp: the call's tokens are in the cache, quantized, before attention reads it
             segs = [stored, _Segment(tq0, new_k, new_v, kc.decode, vc.decode, "all")]
         elif not stepwise:  # the cache as stored before the call + window and new tokens in full precision
@@ -329,7 +337,20 @@ class GgmlSdpa(BufferCheckpoint):
             self.res_k.set_exact(wk[:, nq:])
             self.res_v.set_exact(wv[:, nq:])
         self.len = total
+        self._evict()
         return out
+
+    def _evict(self) -> None:
+        """Sliding window: drop the stored tokens no future query sees (positions <= len - window), a page
+        at a time (:func:`~.common.evict_page`)."""
+        w = self.cfg.window
+        if not w:
+            return
+        drop = evicted_tokens(self.len - w + 1, self.evicted + self.n_quant, evict_page(w)) - self.evicted
+        if drop:
+            self.k_cache.buf.drop_front(drop)
+            self.v_cache.buf.drop_front(drop)
+            self.evicted += drop
 
     # =============================================================================== attention
     def _block_tokens(self, n: int) -> int:
@@ -346,6 +367,8 @@ class GgmlSdpa(BufferCheckpoint):
             lo, hi = np.full_like(pos, c0), pos - r
         else:
             lo, hi = pos - r, pos + 1
+        if self.cfg.window:
+            lo = np.maximum(lo, pos - self.cfg.window + 1)
         return np.maximum(lo, c0), np.minimum(hi, c1)
 
     def _attend(self, q: np.ndarray, pos: np.ndarray, segs: list[_Segment], causal: bool) -> np.ndarray:
@@ -426,10 +449,20 @@ class GgmlSdpa(BufferCheckpoint):
         if b == 0:
             self.reset()
             return
-        r = self.cfg.residual
+        r, w = self.cfg.residual, self.cfg.window
         n, nr = b * hkv, min(t, r)
         tq = t - nr
         fp = np.dtype(np.float16 if f16 else np.float32)
+        evicted = 0
+        if w:  # a sliding window drops whole pages of dead tokens: what the saved blocks do not hold
+            held = np.shape(tensors.get("k_cache", ()))
+            held_tq = int(held[1]) if len(held) >= 2 else tq
+            evicted = tq - held_tq
+            if evicted != evicted_tokens(t - w + 1, tq, evict_page(w)):
+                raise StateError(f"{who}: state tensor 'k_cache' holds {held_tq} tokens of a cache of {t} with "
+                                 f"{nr} in the window: a sliding window of {w} holds "
+                                 f"{tq - evicted_tokens(t - w + 1, tq, evict_page(w))}")
+            tq = held_tq
         # check everything before touching the state: a refused state leaves this one as it was
         arrays = {}
         for name, typ in (("k_cache", self.cfg.key_type), ("v_cache", self.cfg.value_type)):
@@ -445,6 +478,7 @@ class GgmlSdpa(BufferCheckpoint):
         self.res_k.set_exact(arrays["res_k"])
         self.res_v.set_exact(arrays["res_v"])
         self.len = t
+        self.evicted = evicted
 
     @property
     def fp_window(self) -> int:
@@ -464,6 +498,14 @@ class GgmlSdpa(BufferCheckpoint):
         reads the tokens stored before the call, stepwise row ``i`` the tokens more than ``residual``
         positions before its own (``max(0, len + i - residual)``)."""
         r, i = self.cfg.residual, np.arange(n, dtype=np.int64)
+        if self.cfg.window:  # the tokens above, within the row's window (p - window, p]
+            p = self.len + i
+            lo = np.maximum(0, p - self.cfg.window + 1)
+            if r == 0:
+                return p + 1 - lo
+            if not stepwise:
+                return np.maximum(0, self.evicted + self.n_quant - np.maximum(lo, self.evicted))
+            return np.maximum(0, p - r - lo)
         if r == 0:
             return self.len + i + 1 if (stepwise or self.cfg.is_causal) else np.full(n, self.len + n, np.int64)
         if not stepwise:
@@ -473,8 +515,11 @@ class GgmlSdpa(BufferCheckpoint):
     def census(self) -> dict[str, int]:
         """Tokens held now: ``quantized`` = stored in the cache types (key_type / value_type, f16/f32
         types included), ``full_precision`` = the window; ``f32_bytes``: the same keys and values as f32."""
-        return {"tokens": int(self.len), "quantized": int(self.n_quant), "full_precision": int(self.n_res),
+        out = {"tokens": int(self.len), "quantized": int(self.n_quant), "full_precision": int(self.n_res),
                 "f32_bytes": 8 * self.b * self.hkv * self.len * self.d}
+        if self.cfg.window:  # a sliding window: tokens dropped from the front
+            out["evicted"] = int(self.evicted)
+        return out
 
     def nbytes(self) -> dict[str, int]:
         """Bytes of the arrays held, allocated capacity included. ``codes`` + ``params`` = the bytes of
@@ -493,11 +538,12 @@ class GgmlSdpa(BufferCheckpoint):
     # ================================================================================ helpers
     def dequantized(self) -> tuple[np.ndarray, np.ndarray]:
         """The cache as a query reads it now, K and V ``[B, Hkv, T, D]`` f32 (stored tokens decoded,
-        then the window); for tests and measurements: the attention never builds it."""
+        then the window; with a sliding window, the ``T`` tokens held, after the ``evicted`` ones); for tests
+        and measurements: the attention never builds it."""
         if not self._ready:
             z = np.zeros((0, 0, 0, 0), np.float32)
             return z, z
-        shp = (self.b, self.hkv, self.len, self.d)
+        shp = (self.b, self.hkv, self.len - self.evicted, self.d)
         kf = np.concatenate([self.k_cache.decode(self.k_cache.buf.view()), self.res_k.view().astype(np.float32)], 1)
         vf = np.concatenate([self.v_cache.decode(self.v_cache.buf.view()), self.res_v.view().astype(np.float32)], 1)
         return kf.reshape(shp), vf.reshape(shp)

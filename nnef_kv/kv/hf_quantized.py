@@ -153,6 +153,7 @@ class HfQuantizedConfig:
     axis_value: int = 0
     backend: str = "quanto"
     is_causal: bool = True
+    window: int = 0  # > 0: a sliding window, a query at position p sees the keys in (p - window, p]
 
     def validate(self, who: str) -> None:
         if self.backend not in _BACKENDS:
@@ -170,13 +171,18 @@ class HfQuantizedConfig:
             raise GraphError(f"{who}: group_size must be >= 1, got {self.group_size}")
         if self.residual < 0:
             raise GraphError(f"{who}: residual must be >= 0, got {self.residual}")
+        if self.window < 0:
+            raise GraphError(f"{who}: window must be >= 0 (0: none), got {self.window}")
+        if self.window and not self.is_causal:
+            raise GraphError(f"{who}: a sliding window (window = {self.window}) needs is_causal = true")
         if self.backend == "hqq" and self.bits == 3 and 1 in (self.axis_key, self.axis_value):
             raise GraphError(f"{who}: HQQ 3-bit with axis 1 cannot be dequantized by HQQ (it slices the codes "
                              f"to shape[0] * shape[1] // group_size rows): HF's cache fails at its first decode step")
 
     def as_array(self) -> np.ndarray:
+        extra = [self.window] if self.window else []  # appended only when on: earlier states load unchanged
         return np.array([self.bits, self.group_size, self.residual, self.axis_key, self.axis_value,
-                         _BACKENDS.index(self.backend), STATE_LAYOUT], np.int64)
+                         _BACKENDS.index(self.backend), STATE_LAYOUT] + extra, np.int64)
 
 
 class HfQuantizedSdpa(BufferCheckpoint):
@@ -184,17 +190,17 @@ class HfQuantizedSdpa(BufferCheckpoint):
 
     WHO = "nnef_kv_hf_quantized_sdpa"
     QUANTIZED = True
-    _CHECKPOINT_ATTRS = ("len", "qk", "qv")
+    _CHECKPOINT_ATTRS = ("len", "qk", "qv", "evicted")
 
     def __init__(self, axis: int = 2, scale: float = 0.125, bits: int = 4, group_size: int = 64,
                  residual: int = 128, axis_key: int = 0, axis_value: int = 0, backend: str = "quanto",
-                 is_causal: bool = True) -> None:
+                 is_causal: bool = True, window: int = 0) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
         self.cfg = HfQuantizedConfig(scale=float(scale), bits=int(bits), group_size=int(group_size),
                                      residual=int(residual), axis_key=int(axis_key), axis_value=int(axis_value),
-                                     backend=str(backend), is_causal=bool(is_causal))
+                                     backend=str(backend), is_causal=bool(is_causal), window=int(window))
         self.cfg.validate(self.WHO)
         self.reset()
 
@@ -203,6 +209,7 @@ class HfQuantizedSdpa(BufferCheckpoint):
         self.b = self.hkv = self.d = 0
         self.fp_dtype = np.dtype(np.float32)
         self.len = 0
+        self.evicted = 0  # sliding window: tokens dropped from the front at a quantization (absolute positions)
         self.qk: QStore | None = None
         self.qv: QStore | None = None
         self._ready = False
@@ -251,20 +258,35 @@ class HfQuantizedSdpa(BufferCheckpoint):
 
     def _update(self, ks: np.ndarray, vs: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple]:
         """HF's ``QuantizedLayer.update`` without touching the state: the K/V the call returns and the
-        new state ``(len, qk, qv, flush?)``; raises InputError where HF's quantizer fails."""
+        new state ``(len, qk, qv, flush?, evicted)``; raises InputError where HF's quantizer fails. A sliding
+        window quantizes only the tokens a future query still sees (``evicted``: the first position kept)."""
         c = self.cfg
         s = ks.shape[2]
         if self.qk is None:  # prefill: returned as is, stored quantized
             if s == 0:
                 raise InputError(f"{self.WHO}: the first call brings no token: HF's quantizers fail on an empty tensor")
-            return ks, vs, (self.len + s, self._quantize(ks, c.axis_key), self._quantize(vs, c.axis_value), None)
+            cut, ev = self._kept_from(ks.shape[2], self.len + s)
+            return ks, vs, (self.len + s, self._quantize(ks[:, :, cut:], c.axis_key),
+                            self._quantize(vs[:, :, cut:], c.axis_value), None, ev)
         dk, dv = self.dequantized()
         rk, rv = self.res_k.view(), self.res_v.view()
         kr = np.concatenate([dk, rk, ks], axis=2)
         vr = np.concatenate([dv, rv, vs], axis=2)
         if self.n_res + s >= c.residual:
-            return kr, vr, (self.len + s, self._quantize(kr, c.axis_key), self._quantize(vr, c.axis_value), True)
-        return kr, vr, (self.len + s, self.qk, self.qv, False)
+            cut, ev = self._kept_from(kr.shape[2], self.len + s)
+            return kr, vr, (self.len + s, self._quantize(kr[:, :, cut:], c.axis_key),
+                            self._quantize(vr[:, :, cut:], c.axis_value), True, ev)
+        return kr, vr, (self.len + s, self.qk, self.qv, False, self.evicted)
+
+    def _kept_from(self, held: int, length: int) -> tuple[int, int]:
+        """At a quantization of the ``held`` tokens returned (the last of ``length``): how many to leave out
+        (no future query sees them: positions <= length - window) and the first position kept."""
+        w = self.cfg.window
+        if not w:
+            return 0, self.evicted
+        first = length - held  # position of the first token returned
+        cut = min(held - 1, max(0, length - w + 1 - first))  # keep one token at least: a store is never empty
+        return cut, first + cut
 
     def returned_kv(self, k: np.ndarray, v: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """What HF's ``update`` returns for a call bringing ``k, v`` -- the K/V this op's next call
@@ -278,7 +300,7 @@ class HfQuantizedSdpa(BufferCheckpoint):
         return kr, vr
 
     def _commit(self, new: tuple, ks: np.ndarray, vs: np.ndarray) -> None:
-        self.len, self.qk, self.qv, flush = new
+        self.len, self.qk, self.qv, flush, self.evicted = new
         if flush:
             self.res_k.drop_front(self.res_k.len)  # a new array: a checkpoint's mark stays valid
             self.res_v.drop_front(self.res_v.len)
@@ -336,7 +358,7 @@ class HfQuantizedSdpa(BufferCheckpoint):
         g = hq // hkv
         if sq == 0 or t == 0:
             return np.zeros(q.shape, np.float32)
-        causal = (self.cfg.is_causal if causal is None else causal) and sq > 1
+        causal = (self.cfg.is_causal if causal is None else causal) and (sq > 1 or self.cfg.window > 0)
         k32 = kr.astype(np.float32)
         v32 = vr.astype(np.float32)
         bq = blocked.row_block(b * hq * t * 4, sq)
@@ -366,6 +388,8 @@ class HfQuantizedSdpa(BufferCheckpoint):
             keep = None
             if qpos is not None:
                 keep = np.arange(t)[None, :] <= qpos[:, None]  # [R, T]
+                if self.cfg.window:  # a sliding window: (qpos - window, qpos]
+                    keep &= np.arange(t)[None, :] > qpos[:, None] - self.cfg.window
                 s[:, :, ~keep] = -np.inf
             mx = s.max(axis=-1, keepdims=True)
             mx = np.where(mx == -np.inf, np.float32(0), mx)
@@ -400,25 +424,36 @@ class HfQuantizedSdpa(BufferCheckpoint):
         one-token calls: the store at that token's call, replayed with HF's flush rule (the first token of
         an empty cache is a prefill reading nothing; a call that brings the residual to ``residual``
         tokens quantizes the whole history after its attention)."""
-        have, nq, nres, length = self.qk is not None, self.n_quant, self.n_res, self.len
+        have, nq, nres, length, ev = self.qk is not None, self.n_quant, self.n_res, self.len, self.evicted
+        w = self.cfg.window
+
+        def seen(p: int, ev: int, nq: int) -> int:  # stored tokens within the window of a query at p
+            return max(0, ev + nq - max(ev, p - w + 1)) if w else nq
+
         if not stepwise:
-            return np.full(n, nq if have else 0, np.int64)
+            return np.array([seen(self.len + i, ev, nq) if have else 0 for i in range(n)], np.int64)
         out = np.zeros(n, np.int64)
         for i in range(n):
             length += 1
-            if not have:
-                have, nq, nres = True, length, 0  # the prefill is stored quantized, nothing read quantized
+            if not have:  # the prefill is stored quantized, nothing read quantized
+                have, nres = True, 0
+                ev = self._kept_from(length - ev, length)[1]
+                nq = length - ev
                 continue
-            out[i] = nq
+            out[i] = seen(length - 1, ev, nq)
             if nres + 1 >= self.cfg.residual:
-                nq, nres = length, 0
+                ev = self._kept_from(length - ev, length)[1]
+                nq, nres = length - ev, 0
             else:
                 nres += 1
         return out
 
     def census(self) -> dict[str, int]:
-        return {"tokens": int(self.len), "quantized": int(self.n_quant), "full_precision": int(self.n_res),
+        out = {"tokens": int(self.len), "quantized": int(self.n_quant), "full_precision": int(self.n_res),
                 "f32_bytes": 8 * self.b * self.hkv * self.len * self.d}
+        if self.cfg.window:  # a sliding window: tokens dropped from the front
+            out["evicted"] = int(self.evicted)
+        return out
 
     def nbytes(self) -> dict[str, int]:
         if not self._ready:
@@ -437,6 +472,8 @@ class HfQuantizedSdpa(BufferCheckpoint):
         st = {"config": cfg,
               "shape": np.array([self.b, self.hkv, self.d, self.len, int(self.fp_dtype == np.float16)], np.int64),
               "res_k": self.res_k.view().copy(), "res_v": self.res_v.view().copy()}
+        if self.cfg.window:
+            st["evicted"] = np.array([self.evicted], np.int64)
         for nm, q in (("k", self.qk), ("v", self.qv)):
             if q is not None:
                 st[f"{nm}_codes"] = q.codes.copy()
@@ -477,7 +514,11 @@ class HfQuantizedSdpa(BufferCheckpoint):
                                  f"expected ({b}, {hkv}, <= {t}, {d})")
             nr = rk.shape[2]
             rv = expect_state(tensors, "res_v", rk.shape, fp, who)
-            tq = t - nr
+            ev = int(expect_state(tensors, "evicted", (1,), np.int64, who)[0]) if self.cfg.window else 0
+            if not 0 <= ev <= max(0, t - nr - 1) or (ev and ev > t - self.cfg.window + 1):
+                raise StateError(f"{who}: state tensor 'evicted' says {ev} tokens left a cache of {t} (window "
+                                 f"{self.cfg.window}, {nr} in the residual): only tokens no query sees leave it")
+            tq = t - nr - ev
             if nr >= max(self.cfg.residual, 1):
                 raise StateError(f"{who}: state tensor 'res_k' holds {nr} tokens, but the residual holds fewer "
                                  f"than residual = {self.cfg.residual} between calls")
@@ -509,6 +550,7 @@ class HfQuantizedSdpa(BufferCheckpoint):
         self.res_v.set_exact(rv)
         self.qk, self.qv = stores["k"], stores["v"]
         self.len = t
+        self.evicted = ev
 
     def _codes_canonical(self, st: QStore, axis: int) -> bool:
         c = self.cfg

@@ -48,7 +48,8 @@ from dataclasses import replace
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
-from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, start_call
+from .common import (BufferCheckpoint, GrowBuffer, evict_page, evicted_tokens, expect_config_and_shape, expect_state,
+                     start_call)
 from .kivi_attend import KiviAttention
 from .kivi_config import CODES_LAYOUT, KIVI_SETTINGS, KiviConfig, hadamard, kivi_problem
 from .kivi_parts import Outliers, View, rotate
@@ -66,12 +67,13 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
     """State of one ``nnef_kv_kivi_sdpa`` node: a quantized KV cache and attention over it."""
 
     WHO = "nnef_kv_kivi_sdpa"
+    _CHECKPOINT_ATTRS = ("len", "evicted")
 
     def __init__(self, axis: int = 2, scale: float = 0.125, bits: int = 4, key_group: int = 32,
                  value_group: int = 32, residual: int = 32, sinks: int = 0, is_causal: bool = True,
                  rotate: str = "none", clip: bool = False, params: str = "f16", block_tokens: int = 0,
                  threads: int = 1, score_budget: int = 1 << 22, softcap: float = 0.0, key_bits: int = 0,
-                 value_bits: int = 0, key_axis: str = "channel") -> None:
+                 value_bits: int = 0, key_axis: str = "channel", window: int = 0) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
@@ -79,7 +81,8 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
                               value_group=int(value_group), residual=int(residual), sinks=int(sinks),
                               is_causal=bool(is_causal), rotate=str(rotate), clip=bool(clip),
                               params=str(params), block_tokens=int(block_tokens), softcap=float(softcap),
-                              key_bits=int(key_bits), value_bits=int(value_bits), key_axis=str(key_axis))
+                              key_bits=int(key_bits), value_bits=int(value_bits), key_axis=str(key_axis),
+                              window=int(window))
         self.cfg.validate(self.WHO)
         self.k_levels = float((1 << self.cfg.kbits) - 1)
         self.levels = self.k_levels  # the default of the quantizer: the keys' (bits=8 key_bits=value_bits=4 is 4-bit)
@@ -95,6 +98,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         self.vg = 0
         self.fp_dtype = np.dtype(np.float32)
         self.len = 0
+        self.evicted = 0  # sliding window: quantized tokens dropped from the front (whole groups)
         self._ready = False
         self._pool = None
 
@@ -279,7 +283,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
     def _current_view(self) -> View:
         """The cache as it is now (no call in progress)."""
         return View(self.sink_k.view(), self.sink_v.view(), self.res_k.view(), self.res_v.view(),
-                     self.n_quant, self.len)
+                     self.n_quant, self.len - self.evicted)
 
     def _call_view(self, ks: np.ndarray, vs: np.ndarray) -> View:
         """What a call bringing ``ks, vs`` (``[n, S, D]``, storage dtype) reads *before* it ingests them:
@@ -294,7 +298,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         if ks.shape[1] > ns_new:
             rk = np.concatenate([rk, ks[:, ns_new:]], axis=1)
             rv = np.concatenate([rv, vs[:, ns_new:]], axis=1)
-        return View(sk, sv, rk, rv, self.n_quant, self.len + ks.shape[1])
+        return View(sk, sv, rk, rv, self.n_quant, self.len - self.evicted + ks.shape[1])
 
     # ============================================================================== entry point
     def _prepare(self, q: np.ndarray, k: np.ndarray, v: np.ndarray):
@@ -332,7 +336,8 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         if ks.shape[1] and self.sink_k.len >= self.cfg.sinks:  # no new sinks: the call's window read and kept
             wk = np.concatenate([self.res_k.view(), ks], axis=1)
             wv = np.concatenate([self.res_v.view(), vs], axis=1)
-            view = View(self.sink_k.view(), self.sink_v.view(), wk, wv, self.n_quant, self.len + ks.shape[1])
+            view = View(self.sink_k.view(), self.sink_v.view(), wk, wv, self.n_quant,
+                        self.len - self.evicted + ks.shape[1])
             with np.errstate(invalid="ignore", over="ignore"):  # NaN/Inf follow f32 semantics, silently
                 out = attend(qn, sq, view) if sq else None
             self._store_window(wk, wv)
@@ -342,6 +347,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
                 out = attend(qn, sq, view) if view.total and sq else None
             self._ingest(ks, vs)
         self.len += ks.shape[1]
+        self._evict()
         if out is None:
             return np.zeros(shape, out_dtype)
         return self._finish(out, shape, out_dtype, rv)
@@ -365,9 +371,31 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         c = self.cfg
         before = np.maximum(len0 + np.arange(snew) - c.sinks, 0)  # non-sink tokens before row i's own
         qcount = c.key_group * np.maximum(0, (before - c.residual) // c.key_group)
+        # positions from the first token held on (a sliding window evicts after the call, not during it)
+        ev = self.evicted
         with np.errstate(invalid="ignore", over="ignore"):
-            out = self._attend_stepwise(qn, snew, view, tq0, qcount, len0)
+            out = self._attend_stepwise(qn, snew, view, tq0, np.maximum(qcount - ev, 0), len0 - ev)
+        self._evict()
         return self._finish(out, shape, out_dtype, rv)
+
+    def _evict(self) -> None:
+        """Sliding window: drop the quantized groups no future query sees (every token at a position <= len -
+        window), a page of groups at a time (:func:`~.common.evict_page`)."""
+        w = self.cfg.window
+        if not w:
+            return
+        kg = self.cfg.key_group
+        drop = evicted_tokens(self.len - w + 1, self.evicted + self.n_quant, evict_page(w, kg)) - self.evicted
+        if not drop:
+            return
+        for buf in (self.k_codes, self.v_codes, self.v_min, self.v_step):
+            buf.drop_front(drop)
+        kdrop = drop if self.cfg.key_axis == "token" else drop // kg
+        self.k_min.drop_front(kdrop)
+        self.k_step.drop_front(kdrop)
+        self.k_out.drop_front(drop)
+        self.v_out.drop_front(drop)
+        self.evicted += drop
 
     # ================================================================================ protocol
     def _buffers(self) -> list[GrowBuffer]:
@@ -418,11 +446,15 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
             raise StateError(f"{who}: k_codes has shape {kc.shape}, expected ({n}, multiple of {c.key_group}, "
                              f"{self.codec.row_bytes}) for {c.kbits}-bit codes")
         tq = kc.shape[1]
-        expected_tq = max(0, (rest - c.residual) // c.key_group) * c.key_group
+        quantized = max(0, (rest - c.residual) // c.key_group) * c.key_group
+        evicted = evicted_tokens(t - c.window + 1, quantized, evict_page(c.window, c.key_group)) if c.window else 0
+        expected_tq = quantized - evicted
         if tq != expected_tq:
+            held = f" (window {c.window}: {evicted} evicted)" if c.window else ""
             raise StateError(f"{who}: {tq} quantized tokens in k_codes, but a cache of {t} tokens holds "
-                             f"{expected_tq} with residual {c.residual}, key_group {c.key_group}, sinks {c.sinks}")
-        nr = rest - tq
+                             f"{expected_tq} with residual {c.residual}, key_group {c.key_group}, sinks {c.sinks}"
+                             f"{held}")
+        nr = rest - quantized
         vc = expect_state(tensors, "v_codes", (n, tq, self.v_codec.row_bytes), np.uint8, who)
         pdt = c.param_dtype
         ng = tq // c.key_group
@@ -456,6 +488,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         self.k_out.load(tensors, "k_out", who, n, tq, d)
         self.v_out.load(tensors, "v_out", who, n, tq, d)
         self.len = t
+        self.evicted = evicted
 
     QUANTIZED = True
 
@@ -474,16 +507,21 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         """Quantized entries the query of each of the next ``n`` tokens reads: in one-token (stepwise)
         runs, the groups quantized before that token; in one call, the groups quantized before the call."""
         c = self.cfg
+        p = self.len + np.arange(n)
+        lo = np.maximum(0, p - c.window + 1) if c.window else np.zeros(n, np.int64)  # the first position seen
         if not stepwise:
-            return np.full(n, self.n_quant, np.int64)
-        before = np.maximum(self.len + np.arange(n) - c.sinks, 0)
-        return c.key_group * np.maximum(0, (before - c.residual) // c.key_group)
+            return np.maximum(0, self.evicted + self.n_quant - np.maximum(lo, self.evicted))
+        before = np.maximum(p - c.sinks, 0)
+        return np.maximum(0, c.key_group * np.maximum(0, (before - c.residual) // c.key_group) - lo)
 
     def census(self) -> dict[str, int]:
         """Tokens held now: quantized (keys and values alike) and in full precision (sinks + window);
         ``f32_bytes``: what the same keys and values take as f32."""
-        return {"tokens": int(self.len), "quantized": int(self.n_quant),
+        out = {"tokens": int(self.len), "quantized": int(self.n_quant),
                 "full_precision": int(self.n_sink + self.n_res), "f32_bytes": 8 * self.b * self.hkv * self.len * self.d}
+        if self.cfg.window:  # a sliding window: tokens dropped from the front
+            out["evicted"] = int(self.evicted)
+        return out
 
     def nbytes(self) -> dict[str, int]:
         if not self._ready:
@@ -531,7 +569,8 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         kq, vq = self._dequantized_quant()
         kf = np.concatenate([self.sink_k.view().astype(np.float32), kq, self.res_k.view().astype(np.float32)], 1)
         vf = np.concatenate([self.sink_v.view().astype(np.float32), vq, self.res_v.view().astype(np.float32)], 1)
-        return kf.reshape(self.b, self.hkv, self.len, d), vf.reshape(self.b, self.hkv, self.len, d)
+        held = self.len - self.evicted  # a sliding window: the tokens after the evicted ones
+        return kf.reshape(self.b, self.hkv, held, d), vf.reshape(self.b, self.hkv, held, d)
 
     def with_config(self, **changes) -> "KiviSdpa":
         """A fresh, empty cache with some attributes changed."""
@@ -539,4 +578,4 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         return KiviSdpa(scale=c.scale, bits=c.bits, key_group=c.key_group, value_group=c.value_group,
                         residual=c.residual, sinks=c.sinks, is_causal=c.is_causal, rotate=c.rotate,
                         clip=c.clip, params=c.params, block_tokens=c.block_tokens, softcap=c.softcap,
-                        key_bits=c.key_bits, value_bits=c.value_bits, key_axis=c.key_axis)
+                        key_bits=c.key_bits, value_bits=c.value_bits, key_axis=c.key_axis, window=c.window)

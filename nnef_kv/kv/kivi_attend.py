@@ -85,7 +85,7 @@ class KiviAttention:
         the byte or token-planar layout, a score matrix the two-pass path would take."""
         from ..kernels import numba_available
 
-        return (not self.cfg.softcap and not len(self.k_out) and not len(self.v_out)
+        return (not self.cfg.softcap and not self.cfg.window and not len(self.k_out) and not len(self.v_out)
                 and self.codec.layout in ("bytes", "token_planar")
                 and self.b * self.hkv * m * view.total * 4 <= self.score_budget and numba_available())
 
@@ -129,7 +129,7 @@ class KiviAttention:
         if nr:
             np.matmul(q, as32(view.res_k[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
         self._softcap(s)
-        p = softmax_numerators(s, causal_keep(total, m, sq, c.is_causal))
+        p = softmax_numerators(s, causal_keep(total, m, sq, c.is_causal, c.window))
         ls = p.sum(axis=-1, keepdims=True)
         out = self._value_sum(p[:, :, ns:ns + tq], h0, h1, slot) if tq else np.zeros((n, m, d), np.float32)
         if ns:
@@ -238,7 +238,11 @@ class KiviAttention:
             nonlocal mx, ls, acc
             blk = s.shape[-1]
             self._softcap(s)
-            if c.is_causal and p0 + blk - 1 > qmin_pos:
+            if c.window and p0 <= int(qpos.max()) - c.window:  # some row's window starts after p0
+                jp = (p0 + np.arange(blk))[None, :]
+                keep = (jp <= qpos[:, None]) & (jp > qpos[:, None] - c.window)
+                s = np.where(keep[None], s, np.float32(-np.inf))
+            elif c.is_causal and p0 + blk - 1 > qmin_pos:
                 keep = (p0 + np.arange(blk))[None, :] <= qpos[:, None]
                 s = np.where(keep[None], s, np.float32(-np.inf))
             new = np.maximum(mx, np.max(s, axis=-1))
@@ -374,6 +378,9 @@ class KiviAttention:
             keep[:, :ns] = s_pos[None, :] <= pos[:, None]
             keep[:, ns:ns + tqf] = np.arange(tqf)[None, :] < qc[:, None]
             keep[:, ns + tqf:] = (f_idx[None, :] >= qc[:, None]) & (ns + f_idx[None, :] <= pos[:, None])
+            if c.window:  # (no sinks with a window) the row at pos sees the positions in (pos - window, pos]
+                keep[:, ns:ns + tqf] &= np.arange(tqf)[None, :] > pos[:, None] - c.window
+                keep[:, ns + tqf:] &= f_idx[None, :] > pos[:, None] - c.window
             keep = np.broadcast_to(keep[None], (g, nb, width)).reshape(g * nb, width)
             s = np.empty((n, g * nb, width), np.float32)
             masked = ~keep

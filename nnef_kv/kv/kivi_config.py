@@ -57,6 +57,7 @@ class KiviConfig:
     key_bits: int = 0  # 0: bits
     value_bits: int = 0  # 0: bits
     key_axis: str = "channel"  # "channel" (KIVI) or "token"
+    window: int = 0  # > 0: a sliding window, a query at position p sees the keys in (p - window, p]
 
     kbits = property(lambda self: self.key_bits or self.bits)  # the keys' bits
     vbits = property(lambda self: self.value_bits or self.bits)  # the values' bits
@@ -82,6 +83,13 @@ class KiviConfig:
                 raise GraphError(f"{who}: {nm}={getattr(self, nm)}: 0 (= bits) or 1..8")
         if self.key_axis not in ("channel", "token"):
             raise GraphError(f"{who}: key_axis must be 'channel' or 'token', got {self.key_axis!r}")
+        if self.window < 0:
+            raise GraphError(f"{who}: window must be >= 0 (0: none), got {self.window}")
+        if self.window and not self.is_causal:
+            raise GraphError(f"{who}: a sliding window (window = {self.window}) needs is_causal = true")
+        if self.window and self.sinks:
+            raise GraphError(f"{who}: sinks = {self.sinks} with a sliding window (window = {self.window}): a "
+                             f"sliding layer sees no token before its window, so its first tokens are no sinks")
 
     @property
     def param_dtype(self) -> np.dtype:
@@ -91,5 +99,6 @@ class KiviConfig:
         """The config as saved in a state, with the version of the codes layout last."""
         rot = {"none": 0, "": 0, "k": 1, "v": 2, "kv": 3}[self.rotate]
         extra = [self.kbits, self.vbits, int(self.key_axis == "token")] if self.variant else []
+        extra += [self.window] if self.window else []  # appended only when on: earlier states load unchanged
         return np.array([self.bits, self.key_group, self.value_group, self.residual, self.sinks,
                          rot, int(self.clip), int(self.params == "f16"), CODES_LAYOUT] + extra, np.int64)

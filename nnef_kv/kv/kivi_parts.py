@@ -78,6 +78,18 @@ class Outliers:
     def __len__(self) -> int:
         return self.head.len
 
+    def drop_front(self, count: int) -> None:
+        """The first ``count`` positions left the cache (a sliding window): their entries go, the others'
+        positions move down by ``count`` (new arrays: a checkpoint's marks stay valid)."""
+        if not len(self):
+            return
+        pos = self.pos.view()
+        keep = pos >= count
+        self.head.set_exact(self.head.view()[keep])
+        self.pos.set_exact(pos[keep] - count)
+        self.chan.set_exact(self.chan.view()[keep])
+        self.val.set_exact(self.val.view()[keep])
+
     def in_range(self, p0: int, p1: int):
         pos = self.pos.view()
         sel = np.nonzero((pos >= p0) & (pos < p1))[0]

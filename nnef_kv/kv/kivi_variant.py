@@ -29,7 +29,7 @@ class KiviDequantizedAttention:
         total = k.shape[1]
         s = np.matmul(q * np.float32(c.scale), k.swapaxes(-1, -2))  # [n, M, T]
         self._softcap(s)
-        keep = causal_keep(total, m, sq, c.is_causal)  # [M, T] or None
+        keep = causal_keep(total, m, sq, c.is_causal, c.window)  # [M, T] or None
         p = softmax_numerators(s, keep)
         ls = p.sum(axis=-1, keepdims=True)
         vf, bad = finite_part(v, 0)  # masked positions contribute nothing, not even 0 * NaN

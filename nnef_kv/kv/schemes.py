@@ -262,6 +262,7 @@ class AttentionSite:
     is_causal: bool  # the attention was causal or masked
     softcap: float = 0.0  # tanh softcapping of the scores (0: none)
     layer: int = 0  # its index among the attentions rewritten (graph order)
+    window: int = 0  # its mask's sliding window (0: none), on an op with ``Scheme.sliding``
 
 
 @dataclass(frozen=True)
@@ -285,6 +286,7 @@ class Scheme:
     check: Callable[[Mapping[str, Any]], Problem | None]  # the one check of (some of) its options' values
     make_attributes: Callable[[Any, Any], dict[str, Any]]  # (options, site) -> the op's attributes, in order
     softcap: bool = False  # attention schemes: the op computes tanh softcapping
+    sliding: bool = False  # attention schemes: the op has a sliding window (its ``window`` attribute)
     mask_note: str = ""  # attention schemes: what becomes of a mask ({output}, {mask}, {op})
     causal: bool = True  # attention schemes: the op masks causally (else a causal mask is lost: a change noted)
     fixed_bits: int | None = None  # the op stores this many bits whatever the bits option
@@ -418,14 +420,19 @@ def _kivi_attributes(o: KiviOptions, site: AttentionSite) -> dict[str, Any]:
     if o.key_axis != "channel":
         extra["key_axis"] = o.key_axis
     return dict(axis=2, scale=float(site.scale), bits=kb, key_group=o.key_group, value_group=o.value_group,
-                residual=o.residual, sinks=o.sinks, is_causal=bool(site.is_causal), **extra)
+                residual=o.residual, sinks=o.sinks, is_causal=bool(site.is_causal), **extra, **_window(site))
+
+
+def _window(site: AttentionSite) -> dict[str, Any]:
+    """The ``window`` attribute of a sliding layer (last: the ops declare it after every other)."""
+    return {"window": int(site.window)} if site.window else {}
 
 
 def _ggml_attributes(o: GgmlOptions, site: AttentionSite) -> dict[str, Any]:
     kt, vt = layer_settings(SCHEMES["ggml"], o, site.layer)
     extra = {"rotate": True} if o.rotate else {}
     return dict(axis=2, scale=float(site.scale), key_type=kt, value_type=vt, residual=o.residual,
-                is_causal=bool(site.is_causal), **extra)
+                is_causal=bool(site.is_causal), **extra, **_window(site))
 
 
 def _rotated_attributes(o: RotatedOptions, site: AttentionSite) -> dict[str, Any]:
@@ -439,7 +446,8 @@ def _rotated_attributes(o: RotatedOptions, site: AttentionSite) -> dict[str, Any
 def _hf_attributes(o: HfOptions, site: AttentionSite) -> dict[str, Any]:
     bits, _ = layer_settings(SCHEMES["hf"], o, site.layer)
     return dict(axis=2, scale=float(site.scale), bits=bits, group_size=o.group_size, residual=o.residual,
-                axis_key=o.axis_key, axis_value=o.axis_value, backend=o.backend, is_causal=bool(site.is_causal))
+                axis_key=o.axis_key, axis_value=o.axis_value, backend=o.backend, is_causal=bool(site.is_causal),
+                **_window(site))
 
 
 def _tract_attributes(o: TractOptions, site: AttentionSite) -> dict[str, Any]:
@@ -457,6 +465,7 @@ SCHEMES: dict[str, Scheme] = {
         name="kivi", op="nnef_kv_kivi_sdpa", summary="nnef_kv_kivi_sdpa (1..8 bits)", rewrite="attention",
         options=KiviOptions, check=_kivi_check, make_attributes=_kivi_attributes,
         softcap=True,
+        sliding=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("bits", "value_bits", "key_group", "value_group", "residual", "sinks", "key_axis"), demo="bits",
         reported_unless={"value_bits": 0, "key_axis": "channel"},
@@ -488,6 +497,7 @@ SCHEMES: dict[str, Scheme] = {
         level=lambda v: _ggml_type, split=True, uniform=lambda o: (o.key_type, o.value_type),
         level_options=lambda k, v: {"key_type": k, "value_type": v}, level_fields=("key_type", "value_type"),
         ladder=lambda v: ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0"), level_names=True,
+        sliding=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("key_type", "value_type", "residual", "rotate"), reported_unless={"rotate": False},
         notes=lambda o: ["--rotate: llama.cpp's Walsh-Hadamard rotation of quantized K/V, applied by the op where "
@@ -501,6 +511,7 @@ SCHEMES: dict[str, Scheme] = {
         make_attributes=_hf_attributes,
         level=lambda v: _bits_value(HF_BITS.get(v["backend"], HF_BITS["quanto"])),
         ladder=lambda v: HF_BITS.get(v.get("backend", "quanto"), HF_BITS["quanto"]),
+        sliding=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("backend", "bits", "group_size", "residual", "axis_key", "axis_value"),
         doc="transformers 5.x QuantizedCache: the prefill attends exactly and is stored quantized, later calls "
