@@ -107,13 +107,64 @@ def test_a_windowed_export_runs_as_hf_s_windowed_model() -> None:
     assert np.abs(full[W:] - want[W:]).max() > 1e-2  # past the window the window matters
 
 
-@pytest.mark.parametrize("scheme", ATTENTION_SCHEMES)
-def test_a_window_is_refused_by_every_attention_scheme(scheme: str) -> None:
+NO_WINDOW = sorted(n for n, s in SCHEMES.items() if s.rewrite == "attention" and not s.sliding)
+SLIDING = sorted(n for n, s in SCHEMES.items() if s.sliding)
+#: a head size ggml's blocks take (32 values along head_dim)
+CFG32 = DecoderConfig(layers=2, vocab=64, hidden=64, heads=4, kv_heads=2, head_dim=32, mlp=64, sliding_window=W)
+#: each sliding scheme at its most accurate setting: the conversion must follow the windowed model
+ACCURATE = {"kivi": {"bits": 8}, "ggml": {"key_type": "q8_0", "value_type": "q8_0"},
+            "hf": {"backend": "hqq", "bits": 8, "group_size": 32, "residual": 4}}
+
+
+def test_the_schemes_with_a_window_are_the_issue_s() -> None:
+    assert SLIDING == ["ggml", "hf", "kivi"] and "tract" in NO_WINDOW
+
+
+@pytest.mark.parametrize("scheme", NO_WINDOW)
+def test_a_window_is_refused_by_the_schemes_without_one(scheme: str) -> None:
     with pytest.raises(ConversionError) as exc:
         convert(build_decoder(CFG), scheme)
     msg = str(exc.value)
     assert f"sliding window of {W} tokens" in msg and "attention_mask" in msg and "nothing written" in msg
-    assert "tract-cache" in msg and "\n" not in msg
+    assert "tract-cache" in msg and "--scheme kivi" in msg and "\n" not in msg
+
+
+@pytest.mark.parametrize("scheme", SLIDING)
+def test_a_windowed_decoder_converts_and_follows_the_window(scheme: str) -> None:
+    """Past the window the converted model is the windowed one (not the full-attention one), and each sliding
+    op holds a bounded cache: its bytes stop growing once the window is full (the converter's position counter,
+    4 bytes a token, is no sliding layer's)."""
+    cfg = CFG32
+    model, report = convert(build_decoder(cfg), scheme, **ACCURATE[scheme])
+    ops = [st.rhs for st in model.document.graph.body if getattr(st.rhs, "name", "") == SCHEMES[scheme].op]
+    assert len(ops) == 2 and all(inv.named()["window"].value == W for inv in ops)
+    assert any(f"window = {W}" in n for n in report.notes)
+    ids = [int(x) for x in np.random.default_rng(3).integers(0, cfg.vocab, 200)]
+    s = model.session()
+    sliding = [st for st in s.states if type(st).__name__.endswith("SdpaKernel")]
+    assert len(sliding) == 2
+    rows, held = [np.asarray(s.run({"input_ids": np.array([ids[:5]], np.int64)})["outputs"])[0, -1]], []
+    for t in ids[5:]:
+        rows.append(np.asarray(s.run({"input_ids": np.array([[t]], np.int64)})["outputs"])[0, -1])
+        held.append(sum(sum(st.nbytes()[k] for k in ("codes", "params", "full_precision")) for st in sliding))
+    got = np.stack(rows)
+    weights = build_decoder_weights(cfg)
+    want = reference_logits(cfg, weights, np.array(ids))[4:]
+    full = reference_logits(DecoderConfig(**{**cfg.__dict__, "sliding_window": 0}), weights, np.array(ids))[4:]
+    past = slice(W + 4, None)  # positions past the window
+    err, off = np.abs(got - want)[past].max(), np.abs(full - want)[past].max()
+    assert err < 0.1 * off, (err, off)
+    assert (got.argmax(-1) == want.argmax(-1))[past].mean() >= 0.95
+    late, early = max(held[100:]), max(held[:100])  # page 64 + window 8: the first page is dropped at 71
+    assert late <= early  # flat past the window (+ the page being filled)
+    assert all(st.census()["evicted"] > 0 for st in sliding)
+
+
+def test_sinks_with_a_window_are_refused() -> None:
+    with pytest.raises(ConversionError) as exc:
+        convert(build_decoder(CFG), "kivi", sinks=4)
+    msg = str(exc.value)
+    assert "--sinks 4" in msg and "sliding window" in msg and "nothing written" in msg
 
 
 def test_tract_cache_keeps_the_window() -> None:
@@ -164,16 +215,18 @@ def test_tract_s_lost_causal_mask_is_a_change_the_cli_prints(tmp_path, capsys) -
     assert "causal" not in capsys.readouterr().err  # kept: nothing to say
 
 
-def test_the_cli_refuses_a_window_and_writes_nothing(tmp_path, capsys) -> None:
+def test_the_cli_converts_a_window_or_refuses_it_and_writes_nothing(tmp_path, capsys) -> None:
     from nnef_kv import save
     from nnef_kv.cli import main
 
     src = tmp_path / "w.nnef.tar"
     save(build_decoder(CFG), src)
     out = tmp_path / "o.nnef.tar"
-    assert main(["convert", str(src), "--scheme", "kivi", "-o", str(out)]) == 2
+    assert main(["convert", str(src), "--scheme", "tract", "-o", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and f"sliding window of {W} tokens" in err[0] and not out.exists()
+    assert main(["convert", str(src), "--scheme", "kivi", "--bits", "8", "-o", str(out)]) == 0
+    assert out.exists() and f"window = {W}" in (tmp_path / "o.nnef.tar").read_bytes().decode("latin-1")
 
 
 # -- what an export lost -----------------------------------------------------------------------------

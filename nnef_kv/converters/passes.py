@@ -167,9 +167,10 @@ def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: i
             raise ConversionError(f"{ctx.graph.where}: attention '{block.output}' has no scale and an unknown "
                                   "head size")
         scale = 1.0 / math.sqrt(head_dim)
-    causal = block.is_causal or (block.mask_reading is not None and block.mask_reading.kind == "causal")
-    site = AttentionSite(scale=float(scale), is_causal=bool(causal),
-                         softcap=float(block.softcap or 0.0), layer=layer)
+    r = block.mask_reading
+    causal = block.is_causal or (r is not None and r.kind in ("causal", "window"))
+    site = AttentionSite(scale=float(scale), is_causal=bool(causal), softcap=float(block.softcap or 0.0), layer=layer,
+                         window=int(r.window) if r is not None and r.kind == "window" else 0)
     return invocation(ctx.scheme.op, A.Identifier(query or block.q), A.Identifier(block.key.new),
                       A.Identifier(block.value.new),
                       **ctx.scheme.attributes(ctx.settings, site))
@@ -233,9 +234,15 @@ def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:
     keep = (f"; scheme {' or '.join(cache_only)} converts the caches only and keeps the attention as exported"
             if cache_only else "")
     r = b.mask_reading
-    if r is not None and r.kind == "window":
+    if r is not None and r.kind == "window" and not s.sliding:
+        sliding = [f"--scheme {x.name}" for x in SCHEMES.values() if x.sliding]
+        also = f"; {' or '.join(sliding)} keep the window" if sliding else ""
         raise ConversionError(f"{where}: its mask '{b.mask}' is {r.describe()}; {s.op} has no sliding window, so "
-                              f"the converted model would attend to every cached token{keep}; nothing written")
+                              f"the converted model would attend to every cached token{also}{keep}; nothing written")
+    if r is not None and r.kind == "window" and getattr(ctx.settings, "sinks", 0):
+        raise ConversionError(f"{where}: its mask '{b.mask}' is {r.describe()}: option --sinks "
+                              f"{ctx.settings.sinks} keeps the first tokens, which a sliding layer never sees "
+                              f"again; use --sinks 0; nothing written")
     if r is not None and r.kind == "other":
         raise ConversionError(f"{where}: its mask '{b.mask}' is not one {s.op} expresses (full causal or none): "
                               f"{r.describe()}{keep}; nothing written")
@@ -291,6 +298,9 @@ class AttentionPass:
             if b.mask is not None and b.mask_reading is not None and b.mask_reading.kind == "none":
                 rep.notes.append(f"attention '{b.output}': mask '{b.mask}' read as {b.mask_reading.describe()}: "
                                  f"dropped, {op} attends to its whole cache")
+            elif b.mask is not None and b.mask_reading is not None and b.mask_reading.kind == "window":
+                rep.notes.append(f"attention '{b.output}': mask '{b.mask}' read as {b.mask_reading.describe()}: "
+                                 f"kept as {op}'s window = {b.mask_reading.window}")
             elif b.mask is not None:
                 note = ctx.scheme.mask_note.format(output=b.output, mask=b.mask, op=op)
                 if ctx.scheme.causal:
