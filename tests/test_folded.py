@@ -93,9 +93,16 @@ def test_mha_and_gqa_layouts(tmp_path, kv_heads) -> None:
 
 
 def test_a_windowed_mask_tract_wrote_is_still_read(tmp_path) -> None:
-    folder = _built(tmp_path, _cfg(1, heads=2, sliding_window=4))
+    """The window of a tract-written archive is read and kept (KIVI at 8 bits, every token exact: the windowed
+    export's logits), or refused by tract's op, which has none."""
+    cfg = _cfg(1, heads=2, sliding_window=4)
+    folder = _built(tmp_path, cfg)
     with pytest.raises(ConversionError, match="sliding window of 4 tokens"):
-        convert(nnef_kv.load(folder), "kivi")
+        convert(nnef_kv.load(folder), "tract")
+    model, report = convert(nnef_kv.load(folder), "kivi", bits=8, residual=64)
+    assert any("window = 4" in n for n in report.notes)
+    want = reference_logits(cfg, build_decoder_weights(cfg), np.array(TOKENS))[PROMPT - 1:]
+    np.testing.assert_allclose(_decode(model), want, atol=1e-4)
 
 
 def test_a_folded_graph_that_is_not_attention_is_refused(gqa, tmp_path) -> None:
