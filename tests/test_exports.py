@@ -115,8 +115,9 @@ def test_converts_and_the_conversion_runs(export, scheme, bits) -> None:
         kivi = dict(key_group=4, value_group=16, residual=4) if scheme == "kivi" else {}  # the others refuse them
         model, report = convert(export["model"], scheme=scheme, bits=bits, **kivi)
     except ConversionError as exc:
-        assert scheme == "tract" and "softcap" in str(exc), exc  # only tract's op lacks what an export needs
-        assert "use --scheme kivi" in str(exc)
+        # only tract's op lacks what an export needs: a softcap, a sliding window (*_window exports)
+        assert scheme == "tract" and ("softcap" in str(exc) or "sliding window" in str(exc)), exc
+        assert "--scheme kivi" in str(exc)
         return
     dec = InterpreterDecoder(model)
     assert not dec.sig.explicit  # the caches moved into the session
@@ -132,14 +133,20 @@ def test_converts_and_the_conversion_runs(export, scheme, bits) -> None:
     agree = int(np.sum(np.argmax(got, -1) == np.argmax(export["logits"], -1)))
     if bits == 8 and scheme != "tract":  # tract's fused op is far from exact attention by design (docs/kv.md)
         assert agree >= 8, agree
-    if scheme != "kivi" and HAVE_TRACT:
+    # tract loads each *_window conversion in 6-20 s: their tract parity is tests/test_window_exports.py's
+    if scheme != "kivi" and HAVE_TRACT and not export["dir"].name.endswith("_window"):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "converted.nnef.tgz"
             nnef_kv.save(model, path)
-            theirs = _decode(TractDecoder(str(path), dec.sig), export["tokens"], export["n"])
+            tokens = export["tokens"]
+            theirs = _decode(TractDecoder(str(path), dec.sig), tokens, export["n"])
         diff = float(np.abs(theirs - got).max())
         if export["mode"] != "f16":
-            assert diff <= 1e-4
+            # tract's projections, rounded in another order, may carry a few u8 codes at a rounding boundary one
+            # step away: validation's bound of every code the measured K/V noise could flip, flipped at once
+            # (nnef_kv/validate/parity.py)
+            flips = 0.0 if diff <= 1e-4 else _flip_bound(model, tokens, export["n"], got)
+            assert diff <= 1e-4 + flips, (diff, flips)
         else:
             bound = 1e-3 + 2e-2 * float(np.abs(theirs).max())  # validate's f16 parity tolerance
             if scheme == "tract":
@@ -149,6 +156,15 @@ def test_converts_and_the_conversion_runs(export, scheme, bits) -> None:
                 bound = max(bound, 2 * _fused_op_ulp_sensitivity(model, export["tokens"], export["n"], got))
             assert diff <= bound, (diff, bound)
         assert np.mean(np.argmax(theirs, -1) == np.argmax(got, -1)) >= 8 / 9
+
+
+def _flip_bound(model, tokens, n, got) -> float:
+    from nnef_kv.validate.parity import flip_bound
+
+    got_bound = flip_bound(model, InterpreterDecoder(model), tokens, n, len(tokens) - n + 1, None, n,
+                           lambda d: _decode(d, tokens, n), got)
+    assert got_bound.flipped > 0 and got_bound.logits < 0.05, got_bound  # a few codes one step away, no more
+    return got_bound.logits
 
 
 def _fused_op_ulp_sensitivity(model, tokens, n, base) -> float:
