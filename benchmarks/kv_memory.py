@@ -9,7 +9,11 @@ side table, preallocated capacity included). The f32 reference is ``2 * B * H * 
 KIVI config: key_group 32, value_group 128, residual 32, f16 params. tract's
 ``quantized_dyn_kv_cache`` holds one cache for K (per channel) and one for V (per token).
 
-Run: ``python benchmarks/kv_memory.py``.
+Window rows (issue 25): a Mistral-shaped layer (8 kv heads x 128, sliding window 4096) after 32k tokens,
+f32 (``nnef_kv_ggml_sdpa`` with the f32 type, a plain cache) and KIVI-8 / KIVI-4, with and without the window;
+bytes held by one layer, times 32 for the model (every layer of Mistral 7B slides; the layers hold the same).
+
+Run: ``python benchmarks/kv_memory.py`` (``--window`` for the window rows only).
 """
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from nnef_kv.kv import KiviSdpa, TractQuantizedDynKvCache, TractQuantizedKvSdpa  # noqa: E402
+from nnef_kv.kv import GgmlSdpa, KiviSdpa, TractQuantizedDynKvCache, TractQuantizedKvSdpa  # noqa: E402
 
 B, H, T, D = 1, 8, 4096, 128
 CHUNK = 256
@@ -71,5 +75,36 @@ def main() -> dict:
     return out
 
 
+#: the window rows: Mistral 7B's attention (32 layers, 8 kv heads x 128, sliding window 4096) at 32k tokens
+WIN_LAYERS, WIN, WIN_T = 32, 4096, 32768
+
+
+def window_rows() -> dict:
+    """Bytes held by one sliding layer after ``WIN_T`` tokens fed in chunks of 256, with and without the window."""
+    q = np.zeros((B, H, 1, D), np.float32)
+    makers = {"f32": lambda w: GgmlSdpa(scale=D ** -0.5, key_type="f32", value_type="f32", window=w),
+              "kivi 8-bit": lambda w: KiviSdpa(scale=D ** -0.5, bits=8, value_group=128, window=w),
+              "kivi 4-bit": lambda w: KiviSdpa(scale=D ** -0.5, bits=4, value_group=128, window=w)}
+    print(f"\nMistral-shaped layer: {H} kv heads x {D}, sliding window {WIN}, {WIN_T} tokens "
+          f"(bytes held by one layer; x {WIN_LAYERS} layers)")
+    print(f"{'cache':12s} {'no window':>14s} {'window ' + str(WIN):>14s} {'ratio':>7s} {'model, window':>15s}")
+    out = {}
+    for label, make in makers.items():
+        held_by = {}
+        for w in (0, WIN):
+            rng = np.random.default_rng(1)
+            op = make(w)
+            for _ in range(WIN_T // CHUNK):
+                k = rng.standard_normal((B, H, CHUNK, D)).astype(np.float32)
+                op(q, k, rng.standard_normal((B, H, CHUNK, D)).astype(np.float32))
+            held_by[w] = held(op.nbytes())
+        out[label] = held_by
+        print(f"{label:12s} {held_by[0]:14,d} {held_by[WIN]:14,d} {held_by[0] / held_by[WIN]:6.2f}x "
+              f"{WIN_LAYERS * held_by[WIN] / 2**20:12.1f} MiB")
+    return out
+
+
 if __name__ == "__main__":
-    main()
+    if "--window" not in sys.argv[1:]:
+        main()
+    window_rows()

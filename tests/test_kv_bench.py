@@ -37,3 +37,16 @@ def test_memory_benchmark_meets_the_targets():
     assert rows["kivi 8-bit"]["x_vs_f32"] >= 3.5
     assert rows["kivi 4-bit"]["x_vs_f32"] >= 6.3
     assert rows["kivi 2-bit"]["x_vs_f32"] >= 10.3
+
+
+@pytest.mark.slow
+def test_memory_benchmark_window_rows_hold_the_window_only():
+    """A Mistral-shaped layer with a 4096-token window at 32k tokens holds about the window: the f32 cache its
+    4096 tokens + one page of 256 (python benchmarks/kv_memory.py --window)."""
+    bench = _load("kv_memory")
+    rows = bench.window_rows()
+    per_token = 2 * bench.H * bench.D * 4
+    assert rows["f32"][bench.WIN] == (bench.WIN + 256) * per_token
+    for label in ("kivi 8-bit", "kivi 4-bit"):
+        assert rows[label][0] > 7 * rows[label][bench.WIN]
+        assert rows[label][bench.WIN] < rows["f32"][bench.WIN] / (3.5 if "8" in label else 6.3)
