@@ -19,6 +19,7 @@ FAMILIES = (
     "nnef_kv.interpreter.ops.tract_core",
     "nnef_kv.interpreter.ops.tract_core_signal",
     "nnef_kv.interpreter.ops.tract_transformers",
+    "nnef_kv.interpreter.ops.tract_moe",
     "nnef_kv.kv.ops",
 )
 _loaded = False
