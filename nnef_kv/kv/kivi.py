@@ -44,6 +44,7 @@ f16 params are widened with :func:`~nnef_kv.kv.common.f16_to_f32` (exact, ~4x Nu
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import numpy as np
 
@@ -73,7 +74,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
                  value_group: int = 32, residual: int = 32, sinks: int = 0, is_causal: bool = True,
                  rotate: str = "none", clip: bool = False, params: str = "f16", block_tokens: int = 0,
                  threads: int = 1, score_budget: int = 1 << 22, softcap: float = 0.0, key_bits: int = 0,
-                 value_bits: int = 0, key_axis: str = "channel", window: int = 0) -> None:
+                 value_bits: int = 0, key_axis: str = "channel", window: int = 0, sink_logits: Any = ()) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
@@ -82,7 +83,7 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
                               is_causal=bool(is_causal), rotate=str(rotate), clip=bool(clip),
                               params=str(params), block_tokens=int(block_tokens), softcap=float(softcap),
                               key_bits=int(key_bits), value_bits=int(value_bits), key_axis=str(key_axis),
-                              window=int(window))
+                              window=int(window), sink_logits=tuple(float(x) for x in np.ravel(sink_logits)))
         self.cfg.validate(self.WHO)
         self.k_levels = float((1 << self.cfg.kbits) - 1)
         self.levels = self.k_levels  # the default of the quantizer: the keys' (bits=8 key_bits=value_bits=4 is 4-bit)
@@ -305,6 +306,9 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         """Checks, lazy init, rotation: ``(qn [n, g*Sq, D] f32, ks, vs [n, S, D] storage dtype, shape,
         out dtype, rotate values back?)``."""
         q, k, v, (b, hq, sq, hkv, snew, d), out_dtype = start_call(self, q, k, v)
+        if self.cfg.sink_logits and len(self.cfg.sink_logits) != hq:
+            raise GraphError(f"{self.WHO}: sink_logits holds {len(self.cfg.sink_logits)} logits, q has {hq} heads "
+                             f"(one a query head)")
         n = b * hkv
         # no copies where the dtype is already right: ks, vs are only ever copied into the cache, qn only read
         k32 = k.astype(np.float32, copy=False).reshape(n, snew, d)
@@ -578,4 +582,5 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         return KiviSdpa(scale=c.scale, bits=c.bits, key_group=c.key_group, value_group=c.value_group,
                         residual=c.residual, sinks=c.sinks, is_causal=c.is_causal, rotate=c.rotate,
                         clip=c.clip, params=c.params, block_tokens=c.block_tokens, softcap=c.softcap,
-                        key_bits=c.key_bits, value_bits=c.value_bits, key_axis=c.key_axis, window=c.window)
+                        key_bits=c.key_bits, value_bits=c.value_bits, key_axis=c.key_axis, window=c.window,
+                        sink_logits=c.sink_logits)

@@ -81,13 +81,36 @@ class KiviAttention:
 
     def _kernel_ok(self, m: int, view: View) -> bool:
         """The numba decode kernels (:mod:`nnef_kv.kernels.kivi_attention`) compute this call's attention:
-        numba is there (``NNEF_KV_NO_NUMBA`` unset), no outliers in the side table, no softcap, codes in
+        numba is there (``NNEF_KV_NO_NUMBA`` unset), no outliers in the side table, no softcap, window or sink
+        logits, codes in
         the byte or token-planar layout, a score matrix the two-pass path would take."""
         from ..kernels import numba_available
 
-        return (not self.cfg.softcap and not self.cfg.window and not len(self.k_out) and not len(self.v_out)
+        return (not self.cfg.softcap and not self.cfg.window and not self.cfg.sink_logits and not len(self.k_out)
+                and not len(self.v_out)
                 and self.codec.layout in ("bytes", "token_planar")
                 and self.b * self.hkv * m * view.total * 4 <= self.score_budget and numba_available())
+
+    def _sink_rows(self, h0: int, h1: int, rows: np.ndarray, sq: int) -> np.ndarray | None:
+        """``[n, len(rows), 1]`` f32: the sink logit of each query row of the kv heads ``h0:h1`` (row ``r`` of a
+        call is query ``r % sq`` of query head ``kv head * group + r // sq``), or None without sink logits."""
+        sl = self.cfg.sink_logits
+        if not sl:
+            return None
+        per = np.asarray(sl, np.float32).reshape(self.hkv, -1)  # [kv head, group]
+        return per[np.arange(h0, h1) % self.hkv][:, np.asarray(rows) // sq, None]
+
+    @staticmethod
+    def _sink_column(s: np.ndarray, keep: np.ndarray | None, sink: np.ndarray | None
+                     ) -> tuple[np.ndarray, np.ndarray | None]:
+        """The scores ``[n, M, T]`` with the sink logits as a last, never masked column (GPT-OSS: the softmax
+        normalises over it, no value reads it)."""
+        if sink is None:
+            return s, keep
+        s = np.concatenate([s, sink], axis=-1)
+        if keep is not None:
+            keep = np.concatenate([keep, np.ones((keep.shape[0], 1), bool)], axis=-1)
+        return s, keep
 
     def _code_buffer(self, slot: int, n: int, rows: int) -> np.ndarray:
         buf = self._bufs.get(slot)
@@ -129,13 +152,15 @@ class KiviAttention:
         if nr:
             np.matmul(q, as32(view.res_k[hs]).swapaxes(-1, -2), out=s[:, :, ns + tq:])
         self._softcap(s)
-        p = softmax_numerators(s, causal_keep(total, m, sq, c.is_causal, c.window))
+        s, keep = self._sink_column(s, causal_keep(total, m, sq, c.is_causal, c.window),
+                                    self._sink_rows(h0, h1, np.arange(m), sq))
+        p = softmax_numerators(s, keep)
         ls = p.sum(axis=-1, keepdims=True)
         out = self._value_sum(p[:, :, ns:ns + tq], h0, h1, slot) if tq else np.zeros((n, m, d), np.float32)
         if ns:
             out += np.matmul(p[:, :, :ns], as32(view.sink_v[hs]))
         if nr:
-            out += np.matmul(p[:, :, ns + tq:], as32(view.res_v[hs]))
+            out += np.matmul(p[:, :, ns + tq:total], as32(view.res_v[hs]))
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.divide(out, ls, out=out)
 
@@ -233,12 +258,16 @@ class KiviAttention:
         ls = np.zeros((n, m), np.float32)
         acc = np.zeros((n, m, d), np.float32)
 
-        def merge(s: np.ndarray, pv_fn, p0: int) -> None:
-            """Online softmax: fold one block of scores (and its values, via pv_fn) into mx/ls/acc."""
+        def merge(s: np.ndarray, pv_fn, p0: int, raw: bool = False) -> None:
+            """Online softmax: fold one block of scores (and its values, via pv_fn) into mx/ls/acc; ``raw``:
+            scores neither softcapped nor masked (the sink logits)."""
             nonlocal mx, ls, acc
             blk = s.shape[-1]
-            self._softcap(s)
-            if c.window and p0 <= int(qpos.max()) - c.window:  # some row's window starts after p0
+            if not raw:
+                self._softcap(s)
+            if raw:
+                pass
+            elif c.window and p0 <= int(qpos.max()) - c.window:  # some row's window starts after p0
                 jp = (p0 + np.arange(blk))[None, :]
                 keep = (jp <= qpos[:, None]) & (jp > qpos[:, None] - c.window)
                 s = np.where(keep[None], s, np.float32(-np.inf))
@@ -308,6 +337,9 @@ class KiviAttention:
             kr = view.res_k[hs].astype(np.float32)
             vr = view.res_v[hs].astype(np.float32)
             merge(np.matmul(q, np.swapaxes(kr, -1, -2)), lambda p: np.matmul(p, vr), view.ns + tq)
+        sink = self._sink_rows(h0, h1, r0 + np.arange(m), sq)
+        if sink is not None:  # a softmax column no value reads
+            merge(sink.copy(), lambda p: np.float32(0), 0, raw=True)
         with np.errstate(invalid="ignore", divide="ignore"):
             return acc / ls[..., None]
 
@@ -392,11 +424,18 @@ class KiviAttention:
                 np.matmul(qb, rk.swapaxes(-1, -2), out=s[:, :, ns + tqf:])
             self._softcap(s)
             np.copyto(s, np.float32(-np.inf), where=masked)
+            # block row j * nb + i is the call's row j * sq + i0 + i
+            rows = (np.arange(g * nb) // nb) * sq + i0 + np.arange(g * nb) % nb
+            sink = self._sink_rows(0, n, rows, sq)
             mx = s.max(axis=-1, keepdims=True)
+            if sink is not None:  # the sink logit: a softmax column no value reads
+                mx = np.maximum(mx, sink)
             if not mx.min() > -np.inf:
                 mx = np.where(np.isfinite(mx), mx, np.float32(0))
             p = np.exp(np.subtract(s, mx, out=s), out=s)
             ls = p.sum(axis=-1, keepdims=True)
+            if sink is not None:
+                ls += np.exp(sink - mx)
             o = np.zeros((n, g * nb, d), np.float32)
             if ns:
                 o += np.matmul(p[:, :, :ns], sv)

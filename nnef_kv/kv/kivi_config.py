@@ -58,6 +58,7 @@ class KiviConfig:
     value_bits: int = 0  # 0: bits
     key_axis: str = "channel"  # "channel" (KIVI) or "token"
     window: int = 0  # > 0: a sliding window, a query at position p sees the keys in (p - window, p]
+    sink_logits: tuple = ()  # one learned logit per query head, a softmax column of its own (GPT-OSS); (): none
 
     kbits = property(lambda self: self.key_bits or self.bits)  # the keys' bits
     vbits = property(lambda self: self.value_bits or self.bits)  # the values' bits
@@ -90,6 +91,9 @@ class KiviConfig:
         if self.window and self.sinks:
             raise GraphError(f"{who}: sinks = {self.sinks} with a sliding window (window = {self.window}): a "
                              f"sliding layer sees no token before its window, so its first tokens are no sinks")
+
+        if not all(np.isfinite(x) for x in self.sink_logits):
+            raise GraphError(f"{who}: sink_logits must be finite, got {list(self.sink_logits)}")
 
     @property
     def param_dtype(self) -> np.dtype:

@@ -30,8 +30,10 @@ class KiviDequantizedAttention:
         s = np.matmul(q * np.float32(c.scale), k.swapaxes(-1, -2))  # [n, M, T]
         self._softcap(s)
         keep = causal_keep(total, m, sq, c.is_causal, c.window)  # [M, T] or None
-        p = softmax_numerators(s, keep)
+        s2, keep2 = self._sink_column(s, keep, self._sink_rows(0, n, np.arange(m), sq))
+        p = softmax_numerators(s2, keep2)
         ls = p.sum(axis=-1, keepdims=True)
+        p = p[:, :, :total]
         vf, bad = finite_part(v, 0)  # masked positions contribute nothing, not even 0 * NaN
         out = np.matmul(p, vf)
         if bad is not None:
