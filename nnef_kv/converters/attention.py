@@ -36,6 +36,7 @@ from ..interpreter.catalog import ops_having
 from . import folded
 from .graph_edit import GraphEdit, Node, int_list, static_value
 from .masks import read_block_masks
+from .sinks import read_sink_logits
 
 #: what the recognizer walks through, from the registry's facts: casts and copies; the steps of a K/V head
 #: expansion (repeat_kv); the softmaxes (``softmax`` and ``tract_core_softmax``: tract reads them alike)
@@ -84,6 +85,8 @@ class AttentionBlock:
     mask_reading: Any = None  # what the mask is (converters/masks.py MaskReading), once read
     layout: tuple = ()  # kind "folded": the layout ops from the fused op's [B, Hq, S, D] result to ``output``
     query_layout: tuple = ()  # kind "folded": the layout ops from ``q`` to the [B, Hq, S, D] query
+    sinks: str | None = None  # GPT-OSS: the tensor concatenated to the scores as the softmax's last column
+    sink_logits: tuple = ()  # its value, one logit per query head (read by evaluating it: .sinks)
 
     def describe(self) -> str:
         extra = f", softcap {self.softcap:g}" if self.softcap else ""
@@ -244,6 +247,12 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0, layouts: bool = False) 
         if op in through:
             cur = _first_input(n) or ""
             continue
+        if depth == 0 and all(o[0] == "stabilize" for o in ops):
+            got = _stabilized(g, n) or _sink_concat(n)
+            if got is not None:  # x - max(x) (softmax is invariant to it); the sink column (GPT-OSS)
+                ops.append(got[0])
+                cur = got[1]
+                continue
         if op in ("mul", "div"):  # op pattern
             got = _const_operand(g, n)
             if got is None:
@@ -280,6 +289,43 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0, layouts: bool = False) 
     raise _Stop(cur, None, "the scores within 64 transforms")
 
 
+def _stabilized(g: GraphEdit, n: Node) -> tuple[tuple, str] | None:
+    """``sub(x, max_reduce(x, axes = [last]))`` right before the softmax: ``(("stabilize", ...), x)``."""
+    if n.op != "sub":  # op pattern
+        return None
+    x, m = n.arg_name("x"), g.node(n.arg_name("y"))
+    if x is None or m is None or m.op != "max_reduce" or m.arg_name("input") != x:  # op pattern
+        return None
+    axes = int_list(m.arg("axes"))
+    return (("stabilize", None, n.name), x) if axes in ([3], [-1]) else None
+
+
+def _sink_concat(n: Node) -> tuple[tuple, str] | None:
+    """``concat([scores, column], axis = last)`` before the softmax (GPT-OSS's sinks): ``(("sinks", column,
+    ...), scores)``; what the column holds is read by evaluating it (:mod:`.sinks`)."""
+    if n.op != "concat":  # op pattern
+        return None
+    values = n.arg("values")
+    axis = static_value(n.arg("axis")) if n.arg("axis") is not None else None
+    if axis not in (3, -1) or not isinstance(values, A.ArrayExpr) or len(values.items) != 2 \
+            or not all(isinstance(v, A.Identifier) for v in values.items):
+        return None
+    scores, column = values.items
+    return ("sinks", column.name, n.name), scores.name
+
+
+def _drops_last_column(n: Node) -> bool:
+    """A slice of the last axis keeping ``[0, -1)``: the sink column dropped after the softmax."""
+    if n.op == "slice":  # op pattern
+        axes, begin, end = int_list(n.arg("axes")), int_list(n.arg("begin")), int_list(n.arg("end"))
+        stride = int_list(n.arg("stride")) if n.arg("stride") is not None else [1]
+        return axes in ([3], [-1]) and begin == [0] and end == [-1] and stride == [1]
+    if n.op == "dyn_slice":  # op pattern: torch-to-nnef's fragment (axis, begin, end, stride scalars)
+        vals = [static_value(n.arg(k)) if n.arg(k) is not None else None for k in ("axis", "begin", "end", "stride")]
+        return vals[0] in (3, -1) and vals[1] == 0 and vals[2] == -1 and vals[3] in (1, None)
+    return False
+
+
 def _interpret(ops: list[tuple]) -> tuple[float, float | None, str | None, list[str]]:
     """Score transforms -> ``(scale, softcap, mask, unsupported)``. Recognised: constant scales first,
     then at most one ``div(c)/mul(1/c) -> tanh -> mul(c)`` softcap, then at most one additive mask (casts
@@ -293,6 +339,9 @@ def _interpret(ops: list[tuple]) -> tuple[float, float | None, str | None, list[
     i = 0
     while i < len(ops):
         kind, val, node = ops[i]
+        if kind in ("stabilize", "sinks"):  # read by find_attention
+            i += 1
+            continue
         if kind in ("mul", "div") and i < end_scale and mask is None and softcap is None:  # op pattern
             scale = scale * val if kind == "mul" else scale / val
         elif kind == "tanh" and softcap is None and mask is None and i >= 1 and i + 1 < len(ops) \
@@ -382,15 +431,21 @@ def cache_source(g: GraphEdit, name: str, where: str, what: str) -> CacheSource 
 
 
 # ----------------------------------------------------------------------------------------------
-def _forward_to_pv(g: GraphEdit, sm: Node, through: Any = PASSTHROUGH, steps: int = 8
+def _forward_to_pv(g: GraphEdit, sm: Node, through: Any = PASSTHROUGH, steps: int = 8, sinks: bool = False
                    ) -> tuple[Node | None, list[str]]:
-    """From a softmax forward through casts (``through``) to ``p . V`` (p the first operand)."""
+    """From a softmax forward through casts (``through``) to ``p . V`` (p the first operand); ``sinks``:
+    through the slice that drops the sink column, once."""
     cur, fwd = sm.name, [sm.name]
     for _ in range(steps):
         users = g.users(cur)
         if len(users) != 1:
             return None, fwd
         u = users[0]
+        if sinks and _drops_last_column(u):
+            sinks = False
+            cur = u.name
+            fwd.append(cur)
+            continue
         if u.op in through:
             cur = u.name
             fwd.append(cur)
@@ -422,8 +477,13 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
             missed.append((sm, Miss(stop.node, stop.op, stop.expected, sm.name)))
             continue
         q, kfull, kfactor = _key_of_scores(g, mm1)  # type: ignore[misc]
-        mm2, fwd = _forward_to_pv(g, sm)
-        if mm2 is None:
+        sinks = next((o[1] for o in ops if o[0] == "sinks"), None)
+        mm2, fwd = _forward_to_pv(g, sm, sinks=sinks is not None)
+        if mm2 is None or (sinks is not None and not any(_drops_last_column(g.node(f)) for f in fwd[1:])):
+            if mm2 is not None:  # a column joined the scores and was never dropped: not GPT-OSS's sinks
+                misses.append(Miss(mm2.name, mm2.op, f"the slice dropping the column '{sinks}' concatenated to the "
+                                   f"scores before the softmax", sm.name))
+                continue
             last = g.node(fwd[-1])
             users = g.users(fwd[-1])
             misses.append(Miss(users[0].name if len(users) == 1 else fwd[-1],
@@ -450,7 +510,8 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
         chain_nodes = [o[2] for o in ops]
         kind = "einsum" if mm1.op == "tract_core_einsum" or mm2.op == "tract_core_einsum" else "plain"
         blocks.append(AttentionBlock(kind, q, key, value, mm2.name, scale * kfactor, mask,
-                                     nodes=[mm1.name, *chain_nodes, *fwd, mm2.name], softcap=softcap, unsupported=bad))
+                                     nodes=[mm1.name, *chain_nodes, *fwd, mm2.name], softcap=softcap, unsupported=bad,
+                                     sinks=sinks))
     for n in [n for n in g.nodes if n.op == "tract_transformers_sdpa"]:
         where = f"{g.where}: tract_transformers_sdpa '{n.name}'"
         q, k, v = n.arg_name("q"), n.arg_name("k"), n.arg_name("v")
@@ -475,6 +536,7 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
     found, left = _folded(g, missed)
     blocks += found
     misses += left
+    read_sink_logits(g, blocks)
     return blocks, misses
 
 

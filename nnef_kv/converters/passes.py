@@ -170,7 +170,8 @@ def _fused_invocation(ctx: ConversionContext, block: AttentionBlock, head_dim: i
     r = block.mask_reading
     causal = block.is_causal or (r is not None and r.kind in ("causal", "window"))
     site = AttentionSite(scale=float(scale), is_causal=bool(causal), softcap=float(block.softcap or 0.0), layer=layer,
-                         window=int(r.window) if r is not None and r.kind == "window" else 0)
+                         window=int(r.window) if r is not None and r.kind == "window" else 0,
+                         sink_logits=tuple(block.sink_logits))
     return invocation(ctx.scheme.op, A.Identifier(query or block.q), A.Identifier(block.key.new),
                       A.Identifier(block.value.new),
                       **ctx.scheme.attributes(ctx.settings, site))
@@ -249,6 +250,11 @@ def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:
     if b.unsupported:
         raise ConversionError(f"{where}: its scores go through {', '.join(b.unsupported)} before the softmax, which "
                               f"{s.op} does not compute{keep}")
+    if b.sink_logits and not s.sink_logits:
+        takes = [f"--scheme {x.name}" for x in SCHEMES.values() if x.sink_logits]
+        raise ConversionError(f"{where}: its softmax has a learned sink logit per head (the column '{b.sinks}', "
+                              f"GPT-OSS's attention sinks) and {s.op} has none, so the converted model would "
+                              f"drop them; {' or '.join(takes)} keep them (sink_logits){keep}; nothing written")
     if b.softcap and not s.softcap:
         others = [f"--scheme {x.name} (softcap attribute)" for x in SCHEMES.values() if x.rewrite == "attention"
                   and x.softcap] + [f"--scheme {n}" for n in cache_only]
@@ -309,7 +315,13 @@ class AttentionPass:
                     rep.change(note)
             if b.softcap:
                 rep.notes.append(f"attention '{b.output}': tanh softcapping {b.softcap:g} kept (softcap attribute)")
-        ctx.forget_dead_readers(set(ctx.removed_inputs) | set(present) | drop)
+            if b.sink_logits:
+                rep.notes.append(f"attention '{b.output}': the sink column '{b.sinks}' read as one learned logit per "
+                                 f"head ({len(b.sink_logits)}): kept as {op}'s sink_logits")
+        # statements dead in the input that read an attention's inner tensors go with it (GPT-OSS's unused
+        # argmax_reduce of the scores would keep the whole decomposed attention and its cache alive)
+        inner = {x for b in blocks for x in b.nodes if x != b.output}
+        ctx.forget_dead_readers(set(ctx.removed_inputs) | set(present) | drop | inner)
         rep.inputs_removed = [n for n in g.inputs if n in ctx.removed_inputs]
         g.inputs = [n for n in g.inputs if n not in ctx.removed_inputs]
         rep.outputs_removed = [n for n in g.outputs if n in present]

@@ -263,6 +263,7 @@ class AttentionSite:
     softcap: float = 0.0  # tanh softcapping of the scores (0: none)
     layer: int = 0  # its index among the attentions rewritten (graph order)
     window: int = 0  # its mask's sliding window (0: none), on an op with ``Scheme.sliding``
+    sink_logits: tuple = ()  # one learned softmax logit per query head (GPT-OSS's sinks), on ``Scheme.sink_logits``
 
 
 @dataclass(frozen=True)
@@ -287,6 +288,7 @@ class Scheme:
     make_attributes: Callable[[Any, Any], dict[str, Any]]  # (options, site) -> the op's attributes, in order
     softcap: bool = False  # attention schemes: the op computes tanh softcapping
     sliding: bool = False  # attention schemes: the op has a sliding window (its ``window`` attribute)
+    sink_logits: bool = False  # attention schemes: the op takes learned per-head sink logits (``sink_logits``)
     mask_note: str = ""  # attention schemes: what becomes of a mask ({output}, {mask}, {op})
     causal: bool = True  # attention schemes: the op masks causally (else a causal mask is lost: a change noted)
     fixed_bits: int | None = None  # the op stores this many bits whatever the bits option
@@ -420,7 +422,8 @@ def _kivi_attributes(o: KiviOptions, site: AttentionSite) -> dict[str, Any]:
     if o.key_axis != "channel":
         extra["key_axis"] = o.key_axis
     return dict(axis=2, scale=float(site.scale), bits=kb, key_group=o.key_group, value_group=o.value_group,
-                residual=o.residual, sinks=o.sinks, is_causal=bool(site.is_causal), **extra, **_window(site))
+                residual=o.residual, sinks=o.sinks, is_causal=bool(site.is_causal), **extra, **_window(site),
+                **({"sink_logits": [float(x) for x in site.sink_logits]} if site.sink_logits else {}))
 
 
 def _window(site: AttentionSite) -> dict[str, Any]:
@@ -466,6 +469,7 @@ SCHEMES: dict[str, Scheme] = {
         options=KiviOptions, check=_kivi_check, make_attributes=_kivi_attributes,
         softcap=True,
         sliding=True,
+        sink_logits=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("bits", "value_bits", "key_group", "value_group", "residual", "sinks", "key_axis"), demo="bits",
         reported_unless={"value_bits": 0, "key_axis": "channel"},

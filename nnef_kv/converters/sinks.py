@@ -1,0 +1,70 @@
+"""What an attention's sink column holds, read by evaluating it (GPT-OSS's attention sinks).
+
+GPT-OSS appends one learned logit per query head to the scores before the softmax and drops that column
+after it (``concat([scores, sinks], axis = 3) -> softmax -> slice [0, -1)``): the softmax's normaliser
+gains ``exp(sink)``, no value is read for it. :mod:`.attention` finds the column; this module evaluates it
+with the interpreter on its own (its cone, as :mod:`.masks` does for a mask) at two (S, P) bindings and
+with random inputs, and accepts it only as a ``[B, Hq, S, 1]`` tensor holding one constant per query head
+(the same at every query, binding and input). The per-head values become the fused op's ``sink_logits``;
+anything else is left as an unsupported score transform, which the converter refuses naming the node.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..errors import NnefKvError, clip
+from ..grammar import ast as A
+from .graph_edit import GraphEdit, stateful_ops
+from .masks import _cone, _evaluate, _plan, length_symbols
+
+#: the (S, P) bindings the column is evaluated at
+BINDINGS = ((3, 5), (2, 29))
+
+
+def _read(g: GraphEdit, column: str, query: str | None, past: str | None) -> tuple[float, ...] | str:
+    """The per-head logits of ``column``, or why it is not one learned logit per query head."""
+    cone = [g.nodes[i] for i in _cone(g, [column], set())]
+    holder = next((n for n in cone if n.op in stateful_ops()), None)
+    if holder is not None:
+        return f"it depends on the session state of '{holder.name}' ({holder.op})"
+    inputs = [x for x in g.inputs if any(x in n.names for n in cone)]
+    doc = A.Document(g.doc.version, g.doc.extensions, g.doc.fragments,
+                     A.GraphDecl(g.graph_name, tuple(inputs), (column,), tuple(n.stmt for n in cone)))
+    try:
+        plan = _plan(doc, g.tensors)
+        runs = [(s, p, _evaluate(plan, {query: s, past: p}, seed=seed)[column])
+                for s, p in BINDINGS for seed in (None, 0)]
+    except NnefKvError as exc:
+        return f"it cannot be evaluated on its own ({clip(' '.join(str(exc).split()), 200)})"
+    heads: np.ndarray | None = None
+    for s, p, v in runs:
+        v = np.asarray(v, np.float64)
+        if v.ndim != 4 or v.shape[-1] != 1 or (query is not None and v.shape[2] != s):
+            return f"it is {list(v.shape)} at S={s} P={p}, not [B, Hq, S, 1]"
+        per = v[0, :, 0, 0]
+        if not np.array_equal(v, np.broadcast_to(per[None, :, None, None], v.shape)):
+            return f"it is not one value per head (it changes along the batch or the queries at S={s} P={p})"
+        if heads is not None and not np.array_equal(per, heads):
+            return f"it changes with the lengths or the inputs (at S={s} P={p}): not a learned logit per head"
+        heads = per
+    assert heads is not None
+    if not np.isfinite(heads).all():
+        return "it holds a non-finite value"
+    return tuple(float(x) for x in heads.astype(np.float32))
+
+
+def read_sink_logits(g: GraphEdit, blocks: list[Any]) -> None:
+    """Set ``sink_logits`` on each attention block (:class:`~.attention.AttentionBlock`) with a sink column; a
+    column that is not one learned logit per head joins the block's ``unsupported`` transforms."""
+    todo = [b for b in blocks if b.sinks is not None and not b.sink_logits]
+    if not todo:
+        return
+    query, past = length_symbols(g, [c for b in todo for c in (b.key, b.value)])
+    for b in todo:
+        got = _read(g, b.sinks, query, past)
+        if isinstance(got, str):
+            b.unsupported.append(f"'{b.sinks}' (a column joined to the scores before the softmax: {got})")
+        else:
+            b.sink_logits = got
