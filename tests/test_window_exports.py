@@ -1,8 +1,9 @@
 """torch-to-nnef exports whose masks keep their sliding window (tests/fixtures/exports/*_window, made by
-tools/make_window_exports.py: Mistral, Qwen2 with a full and a sliding layer, Gemma 2 and Gemma 3 alternating
-them; window 16, 112 tokens of HF's windowed model in hf_ref.npz): the f32 archive is HF's windowed model, and
-the KIVI-8, ggml q8_0 and HF conversions follow it past the window with bounded sliding layers; tract's fused
-op, which has no window, refuses; the tract-cache conversion keeps it in the graph's mask."""
+tools/make_window_exports.py: Mistral, Qwen2 with a full and a sliding layer, Gemma 2, Gemma 3 and GPT-OSS
+(learned sinks, routed experts: tract_moe_ffn) alternating them; window 16, 112 tokens of HF's windowed model
+in hf_ref.npz): the f32 archive is HF's windowed model, and the KIVI-8, ggml q8_0 and HF conversions follow it
+past the window with bounded sliding layers; tract's fused op, which has no window, refuses; the tract-cache
+conversion keeps it in the graph's mask; the GPT-OSS conversion validates on WikiText."""
 from __future__ import annotations
 
 import tempfile
@@ -58,8 +59,9 @@ def export(request):
             "tokens": [int(t) for t in h["tokens"]], "n": int(h["n_prompt"])}
 
 
-def test_the_four_architectures_are_here() -> None:
-    assert [p.name for p in DIRS] == ["gemma2_window", "gemma3_window", "mistral_window", "qwen2_window"]
+def test_the_five_architectures_are_here() -> None:
+    assert [p.name for p in DIRS] == ["gemma2_window", "gemma3_window", "gptoss_window", "mistral_window",
+                                      "qwen2_window"]
 
 
 def test_the_f32_export_is_hf_s_windowed_model(export) -> None:
@@ -75,9 +77,14 @@ def test_the_f32_export_is_hf_s_windowed_model(export) -> None:
 def test_each_sliding_scheme_follows_the_window(export, scheme) -> None:
     try:
         model, report = convert(export["model"], scheme, **SCHEMES[scheme])
-    except ConversionError as exc:  # Gemma 2 softcaps its scores: only KIVI's op (and tract-cache) computes that
-        assert export["dir"].name == "gemma2_window" and scheme in ("ggml", "hf") and "softcapped" in str(exc)
+    except ConversionError as exc:  # Gemma 2 softcaps its scores, GPT-OSS has sinks: only KIVI's op takes them
+        name = export["dir"].name
+        assert scheme in ("ggml", "hf"), exc
+        assert (name == "gemma2_window" and "softcapped" in str(exc)) or \
+            (name == "gptoss_window" and "learned sink logit per head" in str(exc) and "--scheme kivi" in str(exc))
         return
+    if export["dir"].name == "gptoss_window":  # both layers' sink columns read, one logit a head
+        assert sum("sink_logits" in n for n in report.notes) == 2
     windows = [n for n in report.notes if f"window = {WINDOW}" in n]
     assert len(windows) == (2 if "mistral" in export["dir"].name else 1)  # the others: one full, one sliding layer
     dec = InterpreterDecoder(model)
@@ -136,3 +143,24 @@ def test_tract_runs_the_tract_cache_conversion_alike_over_all_112_tokens(d) -> N
                            lambda dec: _decode(dec, tokens, n), got)
         assert flips.flipped > 0 and flips.logits < 0.05, flips  # a bound, not a pass: a few codes one step away
         assert diff <= 1e-4 + flips.logits, (diff, flips)
+
+
+def test_the_gpt_oss_kivi_conversion_validates_on_wikitext(tmp_path, capsys) -> None:
+    """convert --scheme kivi, then validate against the f32 export on WikiText-2 (byte-level tokenizer) at two
+    contexts, one past the window: PASS at --max-kl 0.01, its sink logits and windows in the archive."""
+    from conftest import SHARED
+    from nnef_kv.cli import main
+
+    d = REPO / "tests" / "fixtures" / "exports" / "gptoss_window"
+    out = tmp_path / "gptoss.kivi8.nnef.tgz"
+    assert main(["convert", str(d / "model.nnef.tgz"), "--scheme", "kivi", "--bits", "8", "-o", str(out)]) == 0
+    graph = nnef_kv.load(out).document
+    kivi = [a for a in graph.graph.body if getattr(a.rhs, "name", "") == "nnef_kv_kivi_sdpa"]
+    assert len(kivi) == 2 and all(any(x.name == "sink_logits" for x in a.rhs.args) for a in kivi)
+    text = SHARED / "data" / "wikitext2" / "wiki.test.raw.part1"
+    rc = main(["validate", str(out), "--reference", str(d / "model.nnef.tgz"), "--text", str(text), "--tokenizer",
+               str(d / "tokenizer.json"), "--context", "64,160", "--eval-tokens", "32", "--windows", "2",
+               "--max-kl", "0.01", "--report-dir", str(tmp_path / "report")])
+    printed = capsys.readouterr().out
+    assert rc == 0 and printed.rstrip().splitlines()[-2] == "PASS", printed[-2000:]
+    assert "over 64 predictions" in printed
