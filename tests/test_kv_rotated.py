@@ -172,7 +172,8 @@ def _attention(q, k, v, scale, keep):
 
 
 @pytest.mark.parametrize("kw", [dict(bits=3), dict(bits=4, value_bits=2, residual=5), dict(bits=2, sinks=3),
-                                dict(bits=1, key_bits=4, residual=2, sinks=1)])
+                                dict(bits=1, key_bits=4, residual=2, sinks=1), dict(bits=4, value_bits=32),
+                                dict(bits=3, value_bits=32, residual=5, sinks=2)])
 @pytest.mark.parametrize("d", [64, 48])
 def test_a_call_reads_the_coded_tokens_and_its_own_exactly(kw, d):
     """A chunk call equals exact attention over [coded tokens as ``dequantized()`` reads them | sinks, window
@@ -197,7 +198,7 @@ def test_a_call_reads_the_coded_tokens_and_its_own_exactly(kw, d):
 
 @st.composite
 def stepwise_cases(draw):
-    bits, vbits = draw(st.sampled_from([1, 2, 3, 4])), draw(st.sampled_from([0, 0, 2, 3]))
+    bits, vbits = draw(st.sampled_from([1, 2, 3, 4])), draw(st.sampled_from([0, 0, 2, 3, 32]))
     residual, sinks = draw(st.sampled_from([0, 0, 1, 4, 9])), draw(st.sampled_from([0, 0, 2]))
     hkv, groups = draw(st.sampled_from([1, 2])), draw(st.sampled_from([1, 3]))
     history = draw(st.lists(st.integers(1, 20), max_size=3))
@@ -244,6 +245,27 @@ def test_stepwise_equals_one_token_calls(case):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
     assert _states_equal(a, b) and _states_equal(a, c) and a.census() == b.census()
     np.testing.assert_array_equal(a.reads_quantized(3), b.reads_quantized(3))
+
+
+def test_keys_only_keeps_every_value_exactly():
+    """``value_bits = 32``: the values come back bit for bit (NaN included), only the keys are coded; their
+    bytes count as full precision (f32 rows + a unit f16 norm), the keys' as codes and norms."""
+    rng = np.random.default_rng(7)
+    q, k, v = _qkv(rng, 1, 6, 2, 40, 64)
+    v[0, 1, 12, 3] = np.nan
+    op = RotatedSdpa(scale=0.125, bits=4, value_bits=32)
+    op(q, k, v)
+    kd, vd = op.dequantized()
+    np.testing.assert_array_equal(vd, v)
+    assert np.abs(kd - k).max() > 1e-3  # the keys are coded
+    nb = op.nbytes()
+    n, t, d = 2, 40, 64
+    assert nb["codes"] == op.kc.codes.nbytes and nb["params"] == op.kc.norms.nbytes
+    assert nb["full_precision"] >= 4 * n * t * d + 2 * n * t
+    with pytest.raises(GraphError, match="value_bits=8: 0 \\(= bits\\), 1..4, or 32"):
+        RotatedSdpa(bits=4, value_bits=8)
+    with pytest.raises(GraphError, match="bits=32: scheme rotated takes 1..4 bits"):
+        RotatedSdpa(bits=32)
 
 
 def test_reads_quantized_and_the_window():
@@ -401,6 +423,9 @@ def test_scheme_specs_and_flags():
 
     assert parse_spec("rotated:3").options == (("bits", 3),)
     assert dict(parse_spec("rotated:4/3").options) == {"bits": 4, "value_bits": 3}
+    assert dict(parse_spec("rotated:4/32").options) == {"bits": 4, "value_bits": 32}  # keys only
+    with pytest.raises(InputError, match="bits=32: scheme rotated takes 1..4 bits"):
+        parse_spec("rotated:32")
     assert dict(parse_spec("q4_0+rotate").options) == {"key_type": "q4_0", "value_type": "q4_0", "rotate": True}
     with pytest.raises(InputError, match="rotated:5"):
         parse_spec("rotated:5")

@@ -9,7 +9,8 @@ Storage, per (batch, kv head), in sequence order::
   ``D``, else a random orthogonal matrix, both from ``seed``; the same ``R`` for every head of the op),
   normalised, and each coordinate of ``u = x R / |x|`` is coded against the Lloyd-Max codebook of the
   exact coordinate marginal of a unit vector in ``D`` dimensions (:func:`nnef_kv.kv.codebooks.codebook`:
-  ``key_bits`` for keys, ``value_bits`` for values, 1..4 each, 0 = ``bits``). The norm ``|x|`` is stored
+  ``key_bits`` for keys, ``value_bits`` for values, 1..4 each, 0 = ``bits``; ``value_bits = 32``: values kept
+  exactly in f32, the keys alone coded, as published keys-only figures measure). The norm ``|x|`` is stored
   in f16 (nearest), the codes packed with :class:`~nnef_kv.kv.packing.RowCodec` (planar for 1, 2 and 4
   bits, a bitstream for 3). A vector reads back as ``norm * c[code]`` in the rotated basis.
 * ``residual`` (default 0): the newest ``residual`` tokens stay in full precision, each coded when it
@@ -57,11 +58,15 @@ F16_MAX = 65504.0
 KERNEL_ROWS = 32
 STATE_LAYOUT = 1
 SINK_CHUNK = 256
+#: ``value_bits`` of values kept exactly (f32 rows, original basis): the keys alone are coded
+EXACT_BITS = 32
 
 #: the integer settings of the op; scheme ``rotated`` checks its options with :func:`rotated_problem` too
 ROTATED_SETTINGS = {"bits": IntSetting(1, MAX_BITS, reason=f"scheme rotated takes 1..{MAX_BITS} bits"),
                     "key_bits": IntSetting(0, MAX_BITS, reason=f"0 (= bits) or 1..{MAX_BITS}"),
-                    "value_bits": IntSetting(0, MAX_BITS, reason=f"0 (= bits) or 1..{MAX_BITS}"),
+                    "value_bits": IntSetting(0, EXACT_BITS, allowed=(*range(MAX_BITS + 1), EXACT_BITS),
+                                             reason=f"0 (= bits), 1..{MAX_BITS}, or {EXACT_BITS} (values kept "
+                                                    f"exactly in f32: keys-only quantization)"),
                     "residual": IntSetting(0), "sinks": IntSetting(0), "seed": IntSetting(0)}
 
 
@@ -98,15 +103,37 @@ class RotatedConfig:
         return np.array([self.kbits, self.vbits, self.residual, self.sinks, self.seed, STATE_LAYOUT], np.int64)
 
 
+class _F32Rows:
+    """The "codec" of values kept exactly (``value_bits = 32``): a vector's ``D`` f32 values as ``4 D`` bytes."""
+
+    def __init__(self, d: int) -> None:
+        self.row_bytes = 4 * d
+
+    @staticmethod
+    def pack(x: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(x, np.float32).view(np.uint8)
+
+    @staticmethod
+    def unpack(codes: np.ndarray) -> np.ndarray:
+        return np.ascontiguousarray(codes).view(np.float32)
+
+
+def _codec(bits: int, d: int) -> RowCodec | _F32Rows:
+    return _F32Rows(d) if bits == EXACT_BITS else RowCodec(bits, d)
+
+
 class _Coded:
     """The coded vectors of K or V: packed codes ``[n, T, row_bytes]``, f16 norms ``[n, T]`` and the exact
-    side table (``idx`` ``[m, 2]`` = head, coded index; ``val`` ``[m, D]`` f32)."""
+    side table (``idx`` ``[m, 2]`` = head, coded index; ``val`` ``[m, D]`` f32). With ``bits = 32``
+    (:data:`EXACT_BITS`, values only) the "codes" are the vectors' f32 values themselves in the original basis,
+    the norms 1 and no side table (a non-finite value is held as it is)."""
 
     def __init__(self, bits: int, n: int, d: int) -> None:
         self.bits, self.d = bits, d
-        self.codec = RowCodec(bits, d)
-        self.cb = codebook(bits, d)
-        self.bnd = boundaries(self.cb)
+        self.exact = bits == EXACT_BITS
+        self.codec = _codec(bits, d)
+        self.cb = None if self.exact else codebook(bits, d)
+        self.bnd = None if self.exact else boundaries(self.cb)
         g = 1.03125
         self.codes = GrowBuffer((n,), (self.codec.row_bytes,), np.uint8, growth=g, min_chunk=64)
         self.norms = GrowBuffer((n,), (), np.float16, growth=g, min_chunk=64)
@@ -119,6 +146,10 @@ class _Coded:
     def encode(self, x: np.ndarray, rot: np.ndarray):
         """``x [n, S, D]`` f32 (original basis) -> (packed codes, f16 norms, outlier (head, token) pairs,
         their exact rows)."""
+        if self.exact:
+            none = np.zeros(0, np.int64)
+            return (self.codec.pack(x), np.ones(x.shape[:2], np.float16), none, none,
+                    np.zeros((0, self.d), np.float32))
         with np.errstate(over="ignore", invalid="ignore"):
             norm = np.sqrt(np.einsum("nsd,nsd->ns", x.astype(np.float64), x.astype(np.float64)))
             bad = ~np.isfinite(norm) | (norm > F16_MAX)
@@ -142,6 +173,20 @@ class _Coded:
     def nbytes(self) -> tuple[int, int, int]:
         """(codes, params, outlier) bytes held."""
         return self.codes.nbytes, self.norms.nbytes, self.idx.nbytes + self.val.nbytes
+
+
+def _add_exact(out: np.ndarray, p: np.ndarray, values: np.ndarray) -> None:
+    """``out += p @ values`` (``[n, m, F] @ [n, F, D]``, f32), a non-finite value reaching only the rows that
+    see its token (no ``0 * NaN``)."""
+    bad = ~np.isfinite(values)
+    if not bad.any():
+        out += np.matmul(p, values)
+        return
+    out += np.matmul(p, np.where(bad, np.float32(0), values))
+    hh, tt = np.nonzero(bad.any(axis=2))
+    for h, t in zip(hh, tt):
+        pe = p[h, :, t]
+        out[h] += np.where((pe > 0)[:, None], pe[:, None] * values[h, t][None, :], np.float32(0))
 
 
 class RotatedSdpa(BufferCheckpoint):
@@ -332,7 +377,9 @@ class RotatedSdpa(BufferCheckpoint):
         p = np.exp(np.subtract(s, mx, out=s), out=s)  # s is this call's own array
         den = p.sum(axis=2, keepdims=True)
         out = np.zeros((n, m, d), np.float32)
-        if tq:
+        if tq and vpart.exact:  # keys-only quantization: the values as they came
+            _add_exact(out, p[:, :, :tq], vpart.codec.unpack(vcodes))
+        elif tq:
             p_q = p[:, :, :tq]
             w = p_q * f16_to_f32(vnorm)[:, None, :]
             values_fn = RA.code_values if m <= KERNEL_ROWS else RA.code_values.reference
@@ -347,17 +394,7 @@ class RotatedSdpa(BufferCheckpoint):
                 contrib = np.where(seen[:, :, None], pe[:, :, None] * rows[:, None, :], np.float32(0))
                 np.add.at(out, h, contrib)
         if fk.shape[1]:
-            p_f = p[:, :, tq:]
-            fvf = fv.astype(np.float32)
-            bad = ~np.isfinite(fvf)
-            if bad.any():  # a non-finite value reaches only the rows that see its token (no 0 * NaN)
-                out += np.matmul(p_f, np.where(bad, np.float32(0), fvf))
-                hh, tt = np.nonzero(bad.any(axis=2))
-                for h, t in zip(hh, tt):
-                    pe = p_f[h, :, t]
-                    out[h] += np.where((pe > 0)[:, None], pe[:, None] * fvf[h, t][None, :], np.float32(0))
-            else:
-                out += np.matmul(p_f, fvf)
+            _add_exact(out, p[:, :, tq:], fv.astype(np.float32))
         return (out / den).reshape(n, g, sq, d)
 
     def attend_cache(self, q: np.ndarray) -> np.ndarray:
@@ -420,7 +457,7 @@ class RotatedSdpa(BufferCheckpoint):
         arrays = {nm: expect_state(tensors, nm, (n, cnt, d), fp, who)
                   for nm, cnt in (("sink_k", ns), ("sink_v", ns), ("res_k", nr), ("res_v", nr))}
         for nm, bits in (("k", c.kbits), ("v", c.vbits)):
-            codec = RowCodec(bits, d)
+            codec = _codec(bits, d)
             codes = expect_state(tensors, f"{nm}_codes", (n, tq, codec.row_bytes), np.uint8, who)
             if tq and not np.array_equal(codec.pack(codec.unpack(codes[:, :1])), codes[:, :1]):
                 raise StateError(f"{who}: {nm}_codes are not valid {bits}-bit packed codes")
@@ -479,6 +516,8 @@ class RotatedSdpa(BufferCheckpoint):
         vc, vp, vo = self.vc.nbytes
         n_values = 2 * self.b * self.hkv * self.len * self.d
         fp = self.sink_k.nbytes + self.sink_v.nbytes + self.res_k.nbytes + self.res_v.nbytes
+        if self.vc.exact:  # values kept exactly (value_bits 32): full precision, their unit norms with them
+            fp, vc, vp = fp + vc + vp, 0, 0
         return {"codes": kc + vc, "params": kp + vp, "full_precision": fp + ko + vo, "outliers": ko + vo,
                 "f32_equivalent": 4 * n_values, "f16_equivalent": 2 * n_values}
 
@@ -492,7 +531,7 @@ class RotatedSdpa(BufferCheckpoint):
         outs = []
         for part, sink, res in ((self.kc, self.sink_k, self.res_k), (self.vc, self.sink_v, self.res_v)):
             codes = part.codec.unpack(part.codes.view())
-            x = (part.cb[codes] * f16_to_f32(part.norms.view())[..., None]) @ self.rot.T
+            x = codes.copy() if part.exact else (part.cb[codes] * f16_to_f32(part.norms.view())[..., None]) @ self.rot.T
             idx = part.idx.view()
             if idx.shape[0]:
                 x[idx[:, 0], idx[:, 1]] = part.val.view()

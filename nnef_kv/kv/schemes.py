@@ -524,7 +524,7 @@ SCHEMES: dict[str, Scheme] = {
         name="rotated", op="nnef_kv_rotated_sdpa", summary="nnef_kv_rotated_sdpa (random-sign Hadamard + "
         "Lloyd-Max codebook, 1..4 bits, one f16 norm a vector)", rewrite="attention", options=RotatedOptions,
         check=_rotated_check, make_attributes=_rotated_attributes,
-        level=lambda v: _bits_value((1, 2, 3, 4)), split=True, uniform=_split_uniform,
+        level=lambda v: _bits_value((1, 2, 3, 4, 32), highest=32), split=True, uniform=_split_uniform,
         level_options=_split_bits_options, level_fields=("bits", "key_bits", "value_bits"), ladder=lambda v: (2, 3, 4),
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("bits", "value_bits", "residual", "sinks"), reported_unless={"value_bits": 0},
