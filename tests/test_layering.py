@@ -34,8 +34,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv.io.archive", "nnef_kv.io"),
     ("nnef_kv.tract_driver",),  # loads archives (io) into tract; used by validate
     ("nnef_kv.models", "nnef_kv.samples", "nnef_kv.text", "nnef_kv.summary"),
-    ("nnef_kv.converters.graph_edit", "nnef_kv.converters.masks", "nnef_kv.converters.folded",
-     "nnef_kv.converters.attention", "nnef_kv.converters.caches", "nnef_kv.converters.exported"),
+    ("nnef_kv.converters.graph_edit", "nnef_kv.converters.masks", "nnef_kv.converters.sinks",
+     "nnef_kv.converters.folded", "nnef_kv.converters.attention", "nnef_kv.converters.caches",
+     "nnef_kv.converters.exported"),
     ("nnef_kv.kv.schemes",),
     ("nnef_kv.converters.frontends",),
     ("nnef_kv.converters",),

@@ -36,7 +36,7 @@ from ..interpreter.catalog import ops_having
 from . import folded
 from .graph_edit import GraphEdit, Node, int_list, static_value
 from .masks import read_block_masks
-from .sinks import read_sink_logits
+from .sinks import drops_last_column, read_sink_logits, sink_concat, stabilized
 
 #: what the recognizer walks through, from the registry's facts: casts and copies; the steps of a K/V head
 #: expansion (repeat_kv); the softmaxes (``softmax`` and ``tract_core_softmax``: tract reads them alike)
@@ -248,7 +248,7 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0, layouts: bool = False) 
             cur = _first_input(n) or ""
             continue
         if depth == 0 and all(o[0] == "stabilize" for o in ops):
-            got = _stabilized(g, n) or _sink_concat(n)
+            got = stabilized(g, n) or sink_concat(n)
             if got is not None:  # x - max(x) (softmax is invariant to it); the sink column (GPT-OSS)
                 ops.append(got[0])
                 cur = got[1]
@@ -287,43 +287,6 @@ def _to_scores(g: GraphEdit, start: str, depth: int = 0, layouts: bool = False) 
                 continue
         raise _Stop(n.name, op, SCORE_TRANSFORMS)
     raise _Stop(cur, None, "the scores within 64 transforms")
-
-
-def _stabilized(g: GraphEdit, n: Node) -> tuple[tuple, str] | None:
-    """``sub(x, max_reduce(x, axes = [last]))`` right before the softmax: ``(("stabilize", ...), x)``."""
-    if n.op != "sub":  # op pattern
-        return None
-    x, m = n.arg_name("x"), g.node(n.arg_name("y"))
-    if x is None or m is None or m.op != "max_reduce" or m.arg_name("input") != x:  # op pattern
-        return None
-    axes = int_list(m.arg("axes"))
-    return (("stabilize", None, n.name), x) if axes in ([3], [-1]) else None
-
-
-def _sink_concat(n: Node) -> tuple[tuple, str] | None:
-    """``concat([scores, column], axis = last)`` before the softmax (GPT-OSS's sinks): ``(("sinks", column,
-    ...), scores)``; what the column holds is read by evaluating it (:mod:`.sinks`)."""
-    if n.op != "concat":  # op pattern
-        return None
-    values = n.arg("values")
-    axis = static_value(n.arg("axis")) if n.arg("axis") is not None else None
-    if axis not in (3, -1) or not isinstance(values, A.ArrayExpr) or len(values.items) != 2 \
-            or not all(isinstance(v, A.Identifier) for v in values.items):
-        return None
-    scores, column = values.items
-    return ("sinks", column.name, n.name), scores.name
-
-
-def _drops_last_column(n: Node) -> bool:
-    """A slice of the last axis keeping ``[0, -1)``: the sink column dropped after the softmax."""
-    if n.op == "slice":  # op pattern
-        axes, begin, end = int_list(n.arg("axes")), int_list(n.arg("begin")), int_list(n.arg("end"))
-        stride = int_list(n.arg("stride")) if n.arg("stride") is not None else [1]
-        return axes in ([3], [-1]) and begin == [0] and end == [-1] and stride == [1]
-    if n.op == "dyn_slice":  # op pattern: torch-to-nnef's fragment (axis, begin, end, stride scalars)
-        vals = [static_value(n.arg(k)) if n.arg(k) is not None else None for k in ("axis", "begin", "end", "stride")]
-        return vals[0] in (3, -1) and vals[1] == 0 and vals[2] == -1 and vals[3] in (1, None)
-    return False
 
 
 def _interpret(ops: list[tuple]) -> tuple[float, float | None, str | None, list[str]]:
@@ -441,7 +404,7 @@ def _forward_to_pv(g: GraphEdit, sm: Node, through: Any = PASSTHROUGH, steps: in
         if len(users) != 1:
             return None, fwd
         u = users[0]
-        if sinks and _drops_last_column(u):
+        if sinks and drops_last_column(u):
             sinks = False
             cur = u.name
             fwd.append(cur)
@@ -479,7 +442,7 @@ def find_attention(g: GraphEdit) -> tuple[list[AttentionBlock], list[Miss]]:
         q, kfull, kfactor = _key_of_scores(g, mm1)  # type: ignore[misc]
         sinks = next((o[1] for o in ops if o[0] == "sinks"), None)
         mm2, fwd = _forward_to_pv(g, sm, sinks=sinks is not None)
-        if mm2 is None or (sinks is not None and not any(_drops_last_column(g.node(f)) for f in fwd[1:])):
+        if mm2 is None or (sinks is not None and not any(drops_last_column(g.node(f)) for f in fwd[1:])):
             if mm2 is not None:  # a column joined the scores and was never dropped: not GPT-OSS's sinks
                 misses.append(Miss(mm2.name, mm2.op, f"the slice dropping the column '{sinks}' concatenated to the "
                                    f"scores before the softmax", sm.name))
