@@ -55,6 +55,7 @@ import sys
 import tarfile
 import tempfile
 from pathlib import Path
+from typing import Any
 
 if os.environ.get("PYTHONHASHSEED") != "0":
     os.environ["PYTHONHASHSEED"] = "0"
@@ -481,9 +482,15 @@ def main() -> int:
     if transformers.__version__ != "5.23.0":
         print(f"warning: transformers {transformers.__version__}, fixtures were made with 5.23.0", file=sys.stderr)
     args.out.mkdir(parents=True, exist_ok=True)
+    return make_all(names, FIXTURES, make_fixture, args, "t2n-fixtures-")
+
+
+def make_all(names: list[str], fixtures: dict, make: Any, args: argparse.Namespace, prefix: str) -> int:
+    """``make(name, spec, out, shim, work)`` for each fixture named, in a work dir (``--keep-work`` or a
+    temporary one) holding the shim; every fixture is tried, the failed ones listed. The exit code."""
     tmp = None
     if args.keep_work is None:
-        tmp = tempfile.TemporaryDirectory(prefix="t2n-fixtures-")
+        tmp = tempfile.TemporaryDirectory(prefix=prefix)
         work = Path(tmp.name)
     else:
         work = args.keep_work.resolve()
@@ -492,7 +499,7 @@ def main() -> int:
     failed = []
     for name in names:
         try:
-            make_fixture(name, FIXTURES[name], args.out.resolve(), shim, work)
+            make(name, fixtures[name], args.out.resolve(), shim, work)
         except Exception as exc:  # keep going: report every fixture
             print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
             failed.append(name)

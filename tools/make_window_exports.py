@@ -30,7 +30,6 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -185,26 +184,7 @@ def main() -> int:
     ap.add_argument("--keep-work", type=Path, default=None)
     args = ap.parse_args()
     names = args.only or list(FIXTURES)
-    tmp = None
-    if args.keep_work is None:
-        tmp = tempfile.TemporaryDirectory(prefix="t2n-window-")
-        work = Path(tmp.name)
-    else:
-        work = args.keep_work.resolve()
-        work.mkdir(parents=True, exist_ok=True)
-    shim = base.make_shim(args.shim.resolve(), work)
-    failed = []
-    for name in names:
-        try:
-            make_fixture(name, FIXTURES[name], args.out.resolve(), shim, work)
-        except Exception as exc:  # keep going: report every fixture
-            print(f"FAILED {name}: {type(exc).__name__}: {exc}", flush=True)
-            failed.append(name)
-    if tmp is not None:
-        tmp.cleanup()
-    print("failed:", failed)
-    return 1 if failed else 0
-
+    return base.make_all(names, FIXTURES, make_fixture, args, "t2n-window-")
 
 if __name__ == "__main__":
     sys.exit(main())
