@@ -26,10 +26,10 @@ BINDINGS = ((3, 5), (2, 29))
 # ---------------------------------------------------------------------------------------------- the form
 def stabilized(g: GraphEdit, n: Node) -> tuple[tuple, str] | None:
     """``sub(x, max_reduce(x, axes = [last]))`` right before the softmax: ``(("stabilize", ...), x)``."""
-    if n.op != "sub":  # op pattern
+    if n.op != "sub":
         return None
     x, m = n.arg_name("x"), g.node(n.arg_name("y"))
-    if x is None or m is None or m.op != "max_reduce" or m.arg_name("input") != x:  # op pattern
+    if x is None or m is None or m.op != "max_reduce" or m.arg_name("input") != x:
         return None
     axes = int_list(m.arg("axes"))
     return (("stabilize", None, n.name), x) if axes in ([3], [-1]) else None
@@ -38,7 +38,7 @@ def stabilized(g: GraphEdit, n: Node) -> tuple[tuple, str] | None:
 def sink_concat(n: Node) -> tuple[tuple, str] | None:
     """``concat([scores, column], axis = last)`` before the softmax (GPT-OSS's sinks): ``(("sinks", column,
     ...), scores)``; what the column holds is read by evaluating it (:mod:`.sinks`)."""
-    if n.op != "concat":  # op pattern
+    if n.op != "concat":
         return None
     values = n.arg("values")
     axis = static_value(n.arg("axis")) if n.arg("axis") is not None else None
@@ -51,11 +51,11 @@ def sink_concat(n: Node) -> tuple[tuple, str] | None:
 
 def drops_last_column(n: Node) -> bool:
     """A slice of the last axis keeping ``[0, -1)``: the sink column dropped after the softmax."""
-    if n.op == "slice":  # op pattern
+    if n.op == "slice":
         axes, begin, end = int_list(n.arg("axes")), int_list(n.arg("begin")), int_list(n.arg("end"))
         stride = int_list(n.arg("stride")) if n.arg("stride") is not None else [1]
         return axes in ([3], [-1]) and begin == [0] and end == [-1] and stride == [1]
-    if n.op == "dyn_slice":  # op pattern: torch-to-nnef's fragment (axis, begin, end, stride scalars)
+    if n.op == "dyn_slice":  # torch-to-nnef's fragment (axis, begin, end, stride scalars)
         vals = [static_value(n.arg(k)) if n.arg(k) is not None else None for k in ("axis", "begin", "end", "stride")]
         return vals[0] in (3, -1) and vals[1] == 0 and vals[2] == -1 and vals[3] in (1, None)
     return False
