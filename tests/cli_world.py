@@ -88,6 +88,10 @@ def _digest(p: Path) -> str:
     return f"special {stat.S_IFMT(st.st_mode):o}"
 
 
+#: the options naming a folder the command writes into (files added there are asked for)
+OUTPUT_FOLDER_OPTIONS = ("--report-dir", "--save-dir")
+
+
 def snapshot(folder: Path) -> dict[str, str]:
     """relative path -> digest (links, folders and special files by kind) of everything under ``folder``."""
     out = {}
@@ -213,8 +217,9 @@ class World:
     # ------------------------------------------------------------------------------------------
     def damage(self, argv: list[str] = ()) -> list[str]:
         """What changed that must not: the inputs, special files, the precious folder, and temporaries left.
-        ``argv``: the command that ran; when it named the precious folder as its ``--report-dir``, reports added
-        beside ``keep.txt`` are what was asked for (the folder is still damaged if ``keep.txt`` changed)."""
+        ``argv``: the command that ran; when it named the precious folder as an output folder (``--report-dir``,
+        demo's ``--save-dir``), files added beside ``keep.txt`` are what was asked for (the folder is still damaged
+        if ``keep.txt`` changed)."""
         bad = []
         now = snapshot(self.ins)
         if now != self.inputs_snapshot:
@@ -234,7 +239,7 @@ class World:
             if not (o / link).is_symlink():
                 bad.append(f"{link} is no longer a symbolic link")
         keep = o / "precious" / "keep.txt"
-        as_reports = any(a == "--report-dir" and b == str(o / "precious") for a, b in zip(argv, list(argv)[1:]))
+        as_reports = any(a in OUTPUT_FOLDER_OPTIONS and b == str(o / "precious") for a, b in zip(argv, list(argv)[1:]))
         if not keep.is_file() or keep.read_text() != "do not delete me" or (
                 len(os.listdir(o / "precious")) != 1 and not as_reports):
             bad.append("the precious folder changed")

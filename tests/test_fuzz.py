@@ -992,6 +992,23 @@ def test_cli(cli_world: World, argv: list[str]) -> None:
     assert cli_world.damage(args) == [], args
 
 
+def test_an_output_folder_may_be_the_precious_one(cli_world: World) -> None:
+    """Hypothesis's find of 2026-12-04: ``demo --save-dir {out}/precious`` adds its archives beside ``keep.txt``,
+    as asked; the harness counts that as damage no more than ``--report-dir`` there, and still counts a
+    ``keep.txt`` changed."""
+    cli_world.reset_out()
+    precious = cli_world.subs()["out"] + "/precious"
+    args = ["demo", "--layers", "1", "--hidden", "8", "--heads", "1", "--kv-heads", "1", "--head-dim", "2", "--mlp",
+            "1", "--context", "8", "--eval-tokens", "2", "--bits", "8", "--no-tract", "--save-dir", precious]
+    rc, _, err = run_cli(args)
+    assert rc == 0, err[-500:]
+    assert sorted(os.listdir(precious)) == ["f32.nnef.tar", "keep.txt", "kivi8.nnef.tar"]
+    assert cli_world.damage(args) == []
+    (Path(precious) / "keep.txt").write_text("changed")
+    assert cli_world.damage(args) == ["the precious folder changed"]
+    cli_world.reset_out()
+
+
 def test_cli_count() -> None:
     _check_count("cli")
 
