@@ -82,13 +82,11 @@ class KiviAttention:
     def _kernel_ok(self, m: int, view: View) -> bool:
         """The numba decode kernels (:mod:`nnef_kv.kernels.kivi_attention`) compute this call's attention:
         numba is there (``NNEF_KV_NO_NUMBA`` unset), no outliers in the side table, no softcap, window or sink
-        logits, codes in
-        the byte or token-planar layout, a score matrix the two-pass path would take."""
+        logits, codes in the byte or token-planar layout, a score matrix the two-pass path would take."""
         from ..kernels import numba_available
 
-        return (not self.cfg.softcap and not self.cfg.window and not self.cfg.sink_logits and not len(self.k_out)
-                and not len(self.v_out)
-                and self.codec.layout in ("bytes", "token_planar")
+        return (not self.cfg.softcap and not self.cfg.window and not self.cfg.sink_logits
+                and not len(self.k_out) and not len(self.v_out) and self.codec.layout in ("bytes", "token_planar")
                 and self.b * self.hkv * m * view.total * 4 <= self.score_budget and numba_available())
 
     def _sink_rows(self, h0: int, h1: int, rows: np.ndarray, sq: int) -> np.ndarray | None:
@@ -265,15 +263,13 @@ class KiviAttention:
             blk = s.shape[-1]
             if not raw:
                 self._softcap(s)
-            if raw:
-                pass
-            elif c.window and p0 <= int(qpos.max()) - c.window:  # some row's window starts after p0
-                jp = (p0 + np.arange(blk))[None, :]
-                keep = (jp <= qpos[:, None]) & (jp > qpos[:, None] - c.window)
-                s = np.where(keep[None], s, np.float32(-np.inf))
-            elif c.is_causal and p0 + blk - 1 > qmin_pos:
-                keep = (p0 + np.arange(blk))[None, :] <= qpos[:, None]
-                s = np.where(keep[None], s, np.float32(-np.inf))
+                if c.window and p0 <= int(qpos.max()) - c.window:  # some row's window starts after p0
+                    jp = (p0 + np.arange(blk))[None, :]
+                    keep = (jp <= qpos[:, None]) & (jp > qpos[:, None] - c.window)
+                    s = np.where(keep[None], s, np.float32(-np.inf))
+                elif c.is_causal and p0 + blk - 1 > qmin_pos:
+                    keep = (p0 + np.arange(blk))[None, :] <= qpos[:, None]
+                    s = np.where(keep[None], s, np.float32(-np.inf))
             new = np.maximum(mx, np.max(s, axis=-1))
             # rows with no finite score yet (all masked) subtract 0 instead of -inf
             safe = new if new.min() > -np.inf else np.where(np.isfinite(new), new, np.float32(0))
