@@ -1,13 +1,16 @@
-"""GPT-OSS's attention sinks in the KIVI op (``sink_logits``: one learned logit per query head, a softmax column
-no value reads): every attention path (two-pass, online, stepwise, the dequantized variant, a sliding window)
-equals the reference softmax over ``[scores | sink]`` when every token is in full precision, and the sinks
-add no error of their own on quantized codes; a wrong count fails naming the op."""
+"""GPT-OSS's attention sinks in the KIVI, ggml and HF ops (``sink_logits``: one learned logit per query head, a
+softmax column no value reads): every KIVI attention path (two-pass, online, stepwise, the dequantized variant, a
+sliding window) equals the reference softmax over ``[scores | sink]`` when every token is in full precision, and
+the sinks add no error of their own on quantized codes; ggml with f32 rows is that reference, the HF op is it
+over what HF's layer returns; a wrong count fails naming the op."""
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
 from nnef_kv.errors import GraphError
+from nnef_kv.kv.ggml_sdpa import GgmlSdpa
+from nnef_kv.kv.hf_quantized import HfQuantizedSdpa
 from nnef_kv.kv.kivi import KiviSdpa
 
 B, HQ, HKV, D, T, PROMPT = 1, 4, 2, 32, 40, 8
@@ -87,8 +90,36 @@ def test_the_decode_kernels_are_not_used_with_sinks(monkeypatch) -> None:
 
 def test_a_count_other_than_the_query_heads_is_refused() -> None:
     q, k, v = _data()
-    st = KiviSdpa(scale=0.2, bits=8, key_group=4, value_group=32, residual=0, sink_logits=SINKS[:3])
-    with pytest.raises(GraphError, match="nnef_kv_kivi_sdpa: sink_logits holds 3 logits, q has 4 heads"):
-        st(q[:, :, :2], k[:, :, :2], v[:, :, :2])
-    with pytest.raises(GraphError, match="sink_logits must be finite"):
-        KiviSdpa(sink_logits=[float("nan")] * 4)
+    for st in (KiviSdpa(scale=0.2, bits=8, key_group=4, value_group=32, residual=0, sink_logits=SINKS[:3]),
+               GgmlSdpa(scale=0.2, sink_logits=SINKS[:3]), HfQuantizedSdpa(scale=0.2, sink_logits=SINKS[:3])):
+        with pytest.raises(GraphError, match=f"{st.WHO}: sink_logits holds 3 logits, q has 4 heads"):
+            st(q[:, :, :2], k[:, :, :2], v[:, :, :2])
+    for cls in (KiviSdpa, GgmlSdpa, HfQuantizedSdpa):
+        with pytest.raises(GraphError, match="sink_logits must be finite"):
+            cls(sink_logits=[float("nan")] * 4)
+
+
+@pytest.mark.parametrize("stepwise", [False, True], ids=["calls", "stepwise"])
+@pytest.mark.parametrize("kw", [{}, dict(window=8), dict(residual=4, block_tokens=8)],
+                         ids=["plain", "window", "blocks"])
+def test_ggml_with_f32_rows_is_the_sink_column_softmax(kw, stepwise) -> None:
+    q, k, v = _data(2)
+    st = GgmlSdpa(scale=1 / np.sqrt(D), key_type="f32", value_type="f32", sink_logits=SINKS, **kw)
+    got = _run(st, q, k, v, stepwise)
+    assert np.abs(got - _want(q, k, v, SINKS, kw.get("window", 0))).max() <= 1e-5
+
+
+@pytest.mark.parametrize("kw", [dict(backend="hqq", bits=8, group_size=32, residual=4), dict(bits=4, residual=8),
+                                dict(backend="hqq", bits=4, group_size=32, residual=4, window=8)],
+                         ids=["hqq8", "quanto4", "hqq4-window"])
+def test_hf_is_the_sink_column_softmax_over_what_its_layer_returns(kw) -> None:
+    q, k, v = _data(3)
+    st = HfQuantizedSdpa(scale=1 / np.sqrt(D), sink_logits=SINKS, **kw)
+    st(q[:, :, :PROMPT], k[:, :, :PROMPT], v[:, :, :PROMPT])
+    for t in range(PROMPT, T):
+        kr, vr = st.returned_kv(k[:, :, t:t + 1], v[:, :, t:t + 1])
+        got = st(q[:, :, t:t + 1], k[:, :, t:t + 1], v[:, :, t:t + 1])
+        # with a window the layer returns a suffix of the positions (what a later query still sees): the
+        # window counts back from its last one
+        want = _reference(q[:, :, t:t + 1], kr, vr, SINKS, kw.get("window", 0))
+        assert np.abs(got - want).max() <= 1e-5, t

@@ -5,7 +5,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError, StateError
+from ..errors import GraphError, InputError, StateError
 from ..interpreter.registry import KvState
 
 __all__ = ["round_half_away", "GrowBuffer", "BufferCheckpoint", "KvState", "as_f32", "f16_to_f32", "expect_state",
@@ -251,7 +251,10 @@ def start_call(state: Any, q: Any, k: Any, v: Any, check: Any = None
     dims = check_qkv(state.WHO, q, k, v)
     if check is not None:
         check(dims, q, k, v)
-    b, _, _, hkv, _, d = dims
+    b, hq, _, hkv, _, d = dims
+    sinks = getattr(getattr(state, "cfg", None), "sink_logits", ())
+    if sinks and len(sinks) != hq:
+        raise GraphError(f"{state.WHO}: sink_logits holds {len(sinks)} logits, q has {hq} heads (one a query head)")
     out_dtype = q.dtype if q.dtype in (np.float16, np.float32) else np.dtype(np.float32)
     fp = np.dtype(np.float16) if k.dtype == np.float16 and v.dtype == np.float16 else np.dtype(np.float32)
     if not state._ready:
@@ -260,6 +263,21 @@ def start_call(state: Any, q: Any, k: Any, v: Any, check: Any = None
         raise InputError(f"{state.WHO}: k {k.shape} does not match the cache built for "
                          f"B={state.b}, Hkv={state.hkv}, D={state.d}")
     return q, k, v, dims, out_dtype
+
+
+def sink_rows(sink_logits: tuple, hkv: int, heads: np.ndarray, group_of_row: np.ndarray) -> np.ndarray | None:
+    """``[len(heads), len(group_of_row), 1]`` f32: the learned sink logit (GPT-OSS; one a query head, a softmax
+    column no value reads) of each row of the kv heads ``heads`` (indices ``b * hkv + h``), row ``r`` being a
+    query of query head ``h * group + group_of_row[r]``; None without sink logits."""
+    if not sink_logits:
+        return None
+    per = np.asarray(sink_logits, np.float32).reshape(hkv, -1)  # [kv head, group]
+    return per[np.asarray(heads) % hkv][:, np.asarray(group_of_row), None]
+
+
+def check_sink_logits(who: str, sink_logits: tuple) -> None:
+    if not all(np.isfinite(x) for x in sink_logits):
+        raise GraphError(f"{who}: sink_logits must be finite, got {list(sink_logits)}")
 
 
 def causal_keep(total: int, m: int, sq: int, is_causal: bool, window: int = 0) -> np.ndarray | None:

@@ -69,13 +69,14 @@ The class works without a graph: ``op = GgmlSdpa(scale=0.125, key_type="q4_0"); 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
 from . import ggml
-from .common import (BufferCheckpoint, GrowBuffer, evict_page, evicted_tokens, expect_config_and_shape, expect_state,
-                     start_call)
+from .common import (BufferCheckpoint, GrowBuffer, check_sink_logits, evict_page, evicted_tokens,
+                     expect_config_and_shape, expect_state, sink_rows, start_call)
 
 __all__ = ["CACHE_TYPES", "GGML_TYPE_IDS", "GgmlSdpa", "GgmlSdpaConfig"]
 
@@ -102,6 +103,7 @@ class GgmlSdpaConfig:
     block_tokens: int = 0  # tokens dequantized at a time; 0: ~1 MiB of f32 per block
     rotate: bool = False  # llama.cpp's Hadamard rotation of quantized K / V (see the module docstring)
     window: int = 0  # > 0: a sliding window, a query at position p sees the keys in (p - window, p]
+    sink_logits: tuple = ()  # one learned logit per query head, a softmax column of its own (GPT-OSS); (): none
 
     def validate(self, who: str) -> None:
         for nm in ("key_type", "value_type"):
@@ -115,6 +117,7 @@ class GgmlSdpaConfig:
             raise GraphError(f"{who}: scale must be finite, got {self.scale}")
         if self.window and not self.is_causal:
             raise GraphError(f"{who}: a sliding window (window = {self.window}) needs is_causal = true")
+        check_sink_logits(who, self.sink_logits)
 
     def as_array(self) -> np.ndarray:
         """The config as saved in a state: ggml type ids of K and V, residual, state layout."""
@@ -204,14 +207,14 @@ class GgmlSdpa(BufferCheckpoint):
 
     def __init__(self, axis: int = 2, scale: float = 0.125, key_type: str = "q8_0", value_type: str = "q8_0",
                  residual: int = 0, is_causal: bool = True, block_tokens: int = 0,
-                 score_budget: int = 1 << 22, rotate: bool = False, window: int = 0) -> None:
+                 score_budget: int = 1 << 22, rotate: bool = False, window: int = 0, sink_logits: Any = ()) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
         self.cfg = GgmlSdpaConfig(scale=float(scale), key_type=str(key_type).lower(),
                                   value_type=str(value_type).lower(), residual=int(residual),
                                   is_causal=bool(is_causal), block_tokens=int(block_tokens), rotate=bool(rotate),
-                                  window=int(window))
+                                  window=int(window), sink_logits=tuple(float(x) for x in np.ravel(sink_logits)))
         self.cfg.validate(self.WHO)
         # bytes of one [kv heads, query rows, tokens] f32 score block (bounds long prefill chunks)
         self.score_budget = int(score_budget)
@@ -418,6 +421,12 @@ class GgmlSdpa(BufferCheckpoint):
                         pv += np.where(keep[None, None, :, c, None], contrib, np.float32(0))
                     acc[:, :, i0:i1] = acc[:, :, i0:i1] * alpha[..., None] + pv
                     mx[:, :, i0:i1] = new
+        sink = sink_rows(self.cfg.sink_logits, self.hkv, np.arange(n), np.arange(g))  # [n, g, 1]
+        if sink is not None:  # a softmax column no value reads (GPT-OSS's learned sinks)
+            new = np.maximum(mx, sink)
+            alpha = np.exp(mx - new)
+            ls = ls * alpha + np.exp(sink - new)
+            acc *= alpha[..., None]
         return acc / ls[..., None]
 
     # ================================================================================ protocol

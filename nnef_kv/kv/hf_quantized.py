@@ -124,12 +124,14 @@ scales, zero points a few ulps apart (torch's Sleef ``pow`` and cascade sums in 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
 from . import blocked
-from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, start_call
+from .common import (BufferCheckpoint, GrowBuffer, check_sink_logits, expect_config_and_shape, expect_state,
+                     sink_rows, start_call)
 from .hf_quantizers import (QStore, hqq_dequantize, hqq_pack, hqq_packed_shape, hqq_quantize, hqq_rows, hqq_unpack,
                             quanto_dequantize, quanto_grouped_shape, quanto_param_axis, quanto_quantize)
 from .packing import pack_planar, unpack_planar
@@ -154,8 +156,10 @@ class HfQuantizedConfig:
     backend: str = "quanto"
     is_causal: bool = True
     window: int = 0  # > 0: a sliding window, a query at position p sees the keys in (p - window, p]
+    sink_logits: tuple = ()  # one learned logit per query head, a softmax column of its own (GPT-OSS); (): none
 
     def validate(self, who: str) -> None:
+        check_sink_logits(who, self.sink_logits)
         if self.backend not in _BACKENDS:
             raise GraphError(f"{who}: backend must be 'quanto' or 'hqq', got {self.backend!r}")
         allowed_bits = (2, 4) if self.backend == "quanto" else (1, 2, 3, 4, 8)
@@ -194,13 +198,14 @@ class HfQuantizedSdpa(BufferCheckpoint):
 
     def __init__(self, axis: int = 2, scale: float = 0.125, bits: int = 4, group_size: int = 64,
                  residual: int = 128, axis_key: int = 0, axis_value: int = 0, backend: str = "quanto",
-                 is_causal: bool = True, window: int = 0) -> None:
+                 is_causal: bool = True, window: int = 0, sink_logits: Any = ()) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
         self.cfg = HfQuantizedConfig(scale=float(scale), bits=int(bits), group_size=int(group_size),
                                      residual=int(residual), axis_key=int(axis_key), axis_value=int(axis_value),
-                                     backend=str(backend), is_causal=bool(is_causal), window=int(window))
+                                     backend=str(backend), is_causal=bool(is_causal), window=int(window),
+                                     sink_logits=tuple(float(x) for x in np.ravel(sink_logits)))
         self.cfg.validate(self.WHO)
         self.reset()
 
@@ -366,7 +371,8 @@ class HfQuantizedSdpa(BufferCheckpoint):
             bq = min(bq, max(blocked.CAUSAL_ROWS, -(-sq // blocked.CAUSAL_BLOCKS)))  # blocks that skip unseen keys
         if bq >= sq:
             qpos = (t - sq) + (np.arange(g * sq) % sq) if causal else None
-            out = self._attend_rows(q.astype(np.float32).reshape(b, hkv, g * sq, d), k32, v32, qpos)
+            out = self._attend_rows(q.astype(np.float32).reshape(b, hkv, g * sq, d), k32, v32, qpos,
+                                    self._sinks(np.arange(g * sq) // sq))
             return out.reshape(b, hq, sq, d)
         q5 = q.astype(np.float32).reshape(b, hkv, g, sq, d)
         out5 = np.empty((b, hkv, g, sq, d), np.float32)
@@ -374,13 +380,21 @@ class HfQuantizedSdpa(BufferCheckpoint):
             m = i1 - i0
             qpos = (t - sq) + i0 + (np.arange(g * m) % m) if causal else None
             tb = min(t, max(1, t - sq + i1)) if causal else t
-            ob = self._attend_rows(q5[:, :, :, i0:i1].reshape(b, hkv, g * m, d), k32[:, :, :tb], v32[:, :, :tb], qpos)
+            ob = self._attend_rows(q5[:, :, :, i0:i1].reshape(b, hkv, g * m, d), k32[:, :, :tb], v32[:, :, :tb], qpos,
+                                   self._sinks(np.arange(g * m) // m))
             out5[:, :, :, i0:i1] = ob.reshape(b, hkv, g, m, d)
         return out5.reshape(b, hq, sq, d)
 
-    def _attend_rows(self, qn: np.ndarray, k32: np.ndarray, v32: np.ndarray, qpos: np.ndarray | None) -> np.ndarray:
+    def _sinks(self, group_of_row: np.ndarray) -> np.ndarray | None:
+        """``[1, Hkv, R, 1]``: the sink logit of each row (query head ``h * group + group_of_row[r]``), or None."""
+        rows = sink_rows(self.cfg.sink_logits, self.hkv, np.arange(self.hkv), group_of_row)
+        return None if rows is None else rows[None]
+
+    def _attend_rows(self, qn: np.ndarray, k32: np.ndarray, v32: np.ndarray, qpos: np.ndarray | None,
+                     sink: np.ndarray | None = None) -> np.ndarray:
         """``qn [B, Hkv, R, D]`` (f32) attending over ``k32, v32 [B, Hkv, T, D]``; ``qpos``: each row's
-        absolute position under a causal mask (row ``r`` sees keys ``0..=qpos[r]``), None: every key."""
+        absolute position under a causal mask (row ``r`` sees keys ``0..=qpos[r]``), None: every key; ``sink``
+        ``[1, Hkv, R, 1]``: each row's learned sink logit, a softmax column no value reads (GPT-OSS)."""
         t = k32.shape[2]
         with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
             s = np.matmul(qn, k32.swapaxes(-1, -2))
@@ -392,9 +406,13 @@ class HfQuantizedSdpa(BufferCheckpoint):
                     keep &= np.arange(t)[None, :] > qpos[:, None] - self.cfg.window
                 s[:, :, ~keep] = -np.inf
             mx = s.max(axis=-1, keepdims=True)
+            if sink is not None:
+                mx = np.maximum(mx, sink)
             mx = np.where(mx == -np.inf, np.float32(0), mx)
             p = np.exp(np.subtract(s, mx, out=s), out=s)  # in place: one score block at a time
             ls = p.sum(axis=-1, keepdims=True)
+            if sink is not None:
+                ls = ls + np.exp(sink - mx)
             fin = np.isfinite(v32)
             if fin.all() or keep is None:
                 out = np.matmul(p, v32)

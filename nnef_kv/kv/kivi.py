@@ -306,9 +306,6 @@ class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
         """Checks, lazy init, rotation: ``(qn [n, g*Sq, D] f32, ks, vs [n, S, D] storage dtype, shape,
         out dtype, rotate values back?)``."""
         q, k, v, (b, hq, sq, hkv, snew, d), out_dtype = start_call(self, q, k, v)
-        if self.cfg.sink_logits and len(self.cfg.sink_logits) != hq:
-            raise GraphError(f"{self.WHO}: sink_logits holds {len(self.cfg.sink_logits)} logits, q has {hq} heads "
-                             f"(one a query head)")
         n = b * hkv
         # no copies where the dtype is already right: ks, vs are only ever copied into the cache, qn only read
         k32 = k.astype(np.float32, copy=False).reshape(n, snew, d)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import blocked
-from .common import GrowBuffer, causal_keep, f16_to_f32, softmax_numerators
+from .common import GrowBuffer, causal_keep, f16_to_f32, sink_rows, softmax_numerators
 from .kivi_parts import View, as32, finite_part
 
 __all__ = ["KiviAttention", "KERNEL_WORK", "KERNEL_WIDTH"]
@@ -92,11 +92,7 @@ class KiviAttention:
     def _sink_rows(self, h0: int, h1: int, rows: np.ndarray, sq: int) -> np.ndarray | None:
         """``[n, len(rows), 1]`` f32: the sink logit of each query row of the kv heads ``h0:h1`` (row ``r`` of a
         call is query ``r % sq`` of query head ``kv head * group + r // sq``), or None without sink logits."""
-        sl = self.cfg.sink_logits
-        if not sl:
-            return None
-        per = np.asarray(sl, np.float32).reshape(self.hkv, -1)  # [kv head, group]
-        return per[np.arange(h0, h1) % self.hkv][:, np.asarray(rows) // sq, None]
+        return sink_rows(self.cfg.sink_logits, self.hkv, np.arange(h0, h1), np.asarray(rows) // sq)
 
     @staticmethod
     def _sink_column(s: np.ndarray, keep: np.ndarray | None, sink: np.ndarray | None

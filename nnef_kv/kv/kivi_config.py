@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import GraphError
+from .common import check_sink_logits
 from .settings import IntSetting, Problem, first_problem
 
 __all__ = ["CODES_LAYOUT", "KIVI_SETTINGS", "KiviConfig", "hadamard", "kivi_problem"]
@@ -92,8 +93,7 @@ class KiviConfig:
             raise GraphError(f"{who}: sinks = {self.sinks} with a sliding window (window = {self.window}): a "
                              f"sliding layer sees no token before its window, so its first tokens are no sinks")
 
-        if not all(np.isfinite(x) for x in self.sink_logits):
-            raise GraphError(f"{who}: sink_logits must be finite, got {list(self.sink_logits)}")
+        check_sink_logits(who, self.sink_logits)
 
     @property
     def param_dtype(self) -> np.dtype:

@@ -422,13 +422,14 @@ def _kivi_attributes(o: KiviOptions, site: AttentionSite) -> dict[str, Any]:
     if o.key_axis != "channel":
         extra["key_axis"] = o.key_axis
     return dict(axis=2, scale=float(site.scale), bits=kb, key_group=o.key_group, value_group=o.value_group,
-                residual=o.residual, sinks=o.sinks, is_causal=bool(site.is_causal), **extra, **_window(site),
-                **({"sink_logits": [float(x) for x in site.sink_logits]} if site.sink_logits else {}))
+                residual=o.residual, sinks=o.sinks, is_causal=bool(site.is_causal), **extra, **_window(site))
 
 
 def _window(site: AttentionSite) -> dict[str, Any]:
-    """The ``window`` attribute of a sliding layer (last: the ops declare it after every other)."""
-    return {"window": int(site.window)} if site.window else {}
+    """The ``window`` attribute of a sliding layer and the ``sink_logits`` of GPT-OSS's sinks (last: the ops
+    declare them after every other)."""
+    return ({"window": int(site.window)} if site.window else {}) | (
+        {"sink_logits": [float(x) for x in site.sink_logits]} if site.sink_logits else {})
 
 
 def _ggml_attributes(o: GgmlOptions, site: AttentionSite) -> dict[str, Any]:
@@ -502,6 +503,7 @@ SCHEMES: dict[str, Scheme] = {
         level_options=lambda k, v: {"key_type": k, "value_type": v}, level_fields=("key_type", "value_type"),
         ladder=lambda v: ("q4_0", "iq4_nl", "q4_1", "q5_0", "q5_1", "q8_0"), level_names=True,
         sliding=True,
+        sink_logits=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("key_type", "value_type", "residual", "rotate"), reported_unless={"rotate": False},
         notes=lambda o: ["--rotate: llama.cpp's Walsh-Hadamard rotation of quantized K/V, applied by the op where "
@@ -516,6 +518,7 @@ SCHEMES: dict[str, Scheme] = {
         level=lambda v: _bits_value(HF_BITS.get(v["backend"], HF_BITS["quanto"])),
         ladder=lambda v: HF_BITS.get(v.get("backend", "quanto"), HF_BITS["quanto"]),
         sliding=True,
+        sink_logits=True,
         mask_note="attention '{output}': mask '{mask}' replaced by the op's causal masking",
         reported=("backend", "bits", "group_size", "residual", "axis_key", "axis_value"),
         doc="transformers 5.x QuantizedCache: the prefill attends exactly and is stored quantized, later calls "
