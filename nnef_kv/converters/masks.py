@@ -236,19 +236,9 @@ def read_masks(g: GraphEdit, sites: list[MaskSite], query_symbol: str | None, pa
     if not sites:
         return {}
     masks = sorted({x.mask for x in sites})
-    stateful = stateful_ops()
-    stand_ins = {n.name: st for n in g.nodes if n.op in stateful and (st := _stand_in(n)) is not None}
-    cone = [g.nodes[i] for i in _cone(g, masks, set(stand_ins))]
-    holder = next((n for n in cone if n.op in stateful and n.name not in stand_ins), None)
-    if holder is not None:
-        why = (f"it depends on the session state of '{holder.name}' ({holder.op}), so it cannot be evaluated on "
-               f"its own")
-        return {m: MaskReading("other", detail=why) for m in masks}
-    used = [n.name for n in cone if n.name in stand_ins]
-    inputs = [x for x in g.inputs if any(x in n.names for n in cone)] + used
-    body = tuple(stand_ins.get(n.name, n.stmt) for n in cone)
-    doc = A.Document(g.doc.version, g.doc.extensions, g.doc.fragments,
-                     A.GraphDecl(g.graph_name, tuple(inputs), tuple(masks), body))
+    doc = cone_document(g, masks)
+    if isinstance(doc, str):
+        return {m: MaskReading("other", detail=f"{doc}, so it cannot be evaluated on its own") for m in masks}
     bound = positions_bound(g.doc)
     ladder = [(s if query_symbol else 1, p if past_symbol else 0) for s, p in LADDER]
     ladder = list(dict.fromkeys(b for b in ladder if bound is None or b[0] + b[1] <= bound[0]))
@@ -286,6 +276,22 @@ def read_masks(g: GraphEdit, sites: list[MaskSite], query_symbol: str | None, pa
                f"({p_last + s_last} positions)")
     return {m: MaskReading("other", detail=moved[m], checked=checked) if m in moved else combine(per[m], checked)
             for m in masks}
+
+
+def cone_document(g: GraphEdit, names: list[str]) -> A.Document | str:
+    """A graph computing ``names`` alone: the statements they depend on (their cone; a KV cache op stands in as
+    an input of the length it holds), the graph inputs those read; or why not (a session state it depends on)."""
+    stateful = stateful_ops()
+    stand_ins = {n.name: st for n in g.nodes if n.op in stateful and (st := _stand_in(n)) is not None}
+    cone = [g.nodes[i] for i in _cone(g, names, set(stand_ins))]
+    holder = next((n for n in cone if n.op in stateful and n.name not in stand_ins), None)
+    if holder is not None:
+        return f"it depends on the session state of '{holder.name}' ({holder.op})"
+    used = [n.name for n in cone if n.name in stand_ins]
+    inputs = [x for x in g.inputs if any(x in n.names for n in cone)] + used
+    body = tuple(stand_ins.get(n.name, n.stmt) for n in cone)
+    return A.Document(g.doc.version, g.doc.extensions, g.doc.fragments,
+                      A.GraphDecl(g.graph_name, tuple(inputs), tuple(names), body))
 
 
 def _plan(doc: A.Document, tensors: dict[str, Any]) -> Any:

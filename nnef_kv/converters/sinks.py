@@ -3,8 +3,8 @@
 GPT-OSS appends one learned logit per query head to the scores before the softmax and drops that column
 after it (``concat([scores, sinks], axis = 3) -> softmax -> slice [0, -1)``): the softmax's normaliser
 gains ``exp(sink)``, no value is read for it. :mod:`.attention` finds the column; this module evaluates it
-with the interpreter on its own (its cone, as :mod:`.masks` does for a mask) at two (S, P) bindings and
-with random inputs, and accepts it only as a ``[B, Hq, S, 1]`` tensor holding one constant per query head
+with the interpreter on its own (its cone, :func:`.masks.cone_document`, as masks are read) at two (S, P)
+bindings and with random inputs, and accepts it only as a ``[B, Hq, S, 1]`` tensor holding one constant per query head
 (the same at every query, binding and input). The per-head values become the fused op's ``sink_logits``;
 anything else is left as an unsupported score transform, which the converter refuses naming the node.
 """
@@ -16,8 +16,8 @@ import numpy as np
 
 from ..errors import NnefKvError, clip
 from ..grammar import ast as A
-from .graph_edit import GraphEdit, Node, int_list, static_value, stateful_ops
-from .masks import _cone, _evaluate, _plan, length_symbols
+from .graph_edit import GraphEdit, Node, int_list, static_value
+from .masks import _evaluate, _plan, cone_document, length_symbols
 
 #: the (S, P) bindings the column is evaluated at
 BINDINGS = ((3, 5), (2, 29))
@@ -61,21 +61,23 @@ def drops_last_column(n: Node) -> bool:
     return False
 
 
-def _read(g: GraphEdit, column: str, query: str | None, past: str | None) -> tuple[float, ...] | str:
-    """The per-head logits of ``column``, or why it is not one learned logit per query head."""
-    cone = [g.nodes[i] for i in _cone(g, [column], set())]
-    holder = next((n for n in cone if n.op in stateful_ops()), None)
-    if holder is not None:
-        return f"it depends on the session state of '{holder.name}' ({holder.op})"
-    inputs = [x for x in g.inputs if any(x in n.names for n in cone)]
-    doc = A.Document(g.doc.version, g.doc.extensions, g.doc.fragments,
-                     A.GraphDecl(g.graph_name, tuple(inputs), (column,), tuple(n.stmt for n in cone)))
+def _read(g: GraphEdit, columns: list[str], query: str | None, past: str | None
+          ) -> dict[str, tuple[float, ...] | str]:
+    """The per-head logits of each of ``columns`` (evaluated together, one plan), or why a column is not one
+    learned logit per query head."""
+    doc = cone_document(g, columns)
+    if isinstance(doc, str):
+        return dict.fromkeys(columns, doc)
     try:
         plan = _plan(doc, g.tensors)
-        runs = [(s, p, _evaluate(plan, {query: s, past: p}, seed=seed)[column])
-                for s, p in BINDINGS for seed in (None, 0)]
+        runs = [(s, p, _evaluate(plan, {query: s, past: p}, seed=seed)) for s, p in BINDINGS for seed in (None, 0)]
     except NnefKvError as exc:
-        return f"it cannot be evaluated on its own ({clip(' '.join(str(exc).split()), 200)})"
+        return dict.fromkeys(columns, f"it cannot be evaluated on its own ({clip(' '.join(str(exc).split()), 200)})")
+    return {c: _per_head([(s, p, values[c]) for s, p, values in runs], query) for c in columns}
+
+
+def _per_head(runs: list[tuple[int, int, Any]], query: str | None) -> tuple[float, ...] | str:
+    """One column's values at each binding -> its logit per head, or why it is not one."""
     heads: np.ndarray | None = None
     for s, p, v in runs:
         v = np.asarray(v, np.float64)
@@ -100,8 +102,9 @@ def read_sink_logits(g: GraphEdit, blocks: list[Any]) -> None:
     if not todo:
         return
     query, past = length_symbols(g, [c for b in todo for c in (b.key, b.value)])
+    read = _read(g, sorted({b.sinks for b in todo}), query, past)
     for b in todo:
-        got = _read(g, b.sinks, query, past)
+        got = read[b.sinks]
         if isinstance(got, str):
             b.unsupported.append(f"'{b.sinks}' (a column joined to the scores before the softmax: {got})")
         else:
