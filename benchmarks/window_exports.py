@@ -24,6 +24,7 @@ sys.path.insert(0, str(REPO / "tests"))
 import nnef_kv  # noqa: E402
 import test_window_exports as W  # noqa: E402  (its decode, settings and fixtures)
 from nnef_kv.errors import ConversionError  # noqa: E402
+from nnef_kv.validate.metrics import kl_divergence  # noqa: E402
 
 
 def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
@@ -43,7 +44,7 @@ def main() -> int:
         model = nnef_kv.load(d / "model.nnef.tgz")
         tokens, n = [int(t) for t in h["tokens"]], int(h["n_prompt"])
         ref = h["logits"]
-        lost = float(W._kl(ref[past], h["logits_windowless"][past]).mean())
+        lost = float(kl_divergence(ref[past], h["logits_windowless"][past]).mean())
         f32 = W._decode(W.InterpreterDecoder(model), tokens, n)
         print(f"| {d.name} | f32 | max abs diff vs HF {np.abs(f32 - ref).max():.1e} ({len(ref)} calls) | | "
               f"{lost:.3f} | |")
@@ -60,7 +61,7 @@ def main() -> int:
             same = int((got[past].argmax(-1) == ref[past].argmax(-1)).sum())
             total = got[past].shape[0]
             lo, hi = wilson(same, total)
-            kl = W._kl(ref[past], got[past])
+            kl = kl_divergence(ref[past], got[past])
             half = 1.96 * kl.std(ddof=1) / np.sqrt(len(kl))
             peak = str(n + 1 + int(np.argmax(held))) if held else "-"
             print(f"| {d.name} | {scheme} | {same}/{total} [{100 * lo:.1f}, {100 * hi:.1f}]% | {kl.mean():.2e} "

@@ -331,7 +331,7 @@ class KiviAttention:
             merge(np.matmul(q, np.swapaxes(kr, -1, -2)), lambda p: np.matmul(p, vr), view.ns + tq)
         sink = self._sink_rows(h0, h1, r0 + np.arange(m), sq)
         if sink is not None:  # a softmax column no value reads
-            merge(sink.copy(), lambda p: np.float32(0), 0, raw=True)
+            merge(sink, lambda p: np.float32(0), 0, raw=True)
         with np.errstate(invalid="ignore", divide="ignore"):
             return acc / ls[..., None]
 
