@@ -3,7 +3,7 @@
 (a) Q4_0 / Q8_1 weight products (``nnef_kv.kernels.blockquant``) against f32 BLAS with the dequantized
     weights, BLAS pinned to one thread (threadpoolctl): matvec 4096x4096, [512 -> 1536], [512 -> 8192],
     and a few row counts M (decode / short prefill, the BLAS_ROWS crossover).
-(b) KIVI decode-step attention on packed codes (``nnef_kv.kernels.kivi_attention.attend``): T tokens,
+(b) KIVI decode-step attention on packed codes (``nnef_kv.kv.kivi.kernels.attend``): T tokens,
     8 kv heads x 128, key_group 32, value_group 32 and 128, residual 32, bits 1/2/4/8, one query row a
     head, against exact f32 attention on an f32 cache (NumPy matmul, softmax, matmul on
     ``[8, 1, T]`` scores), on one thread (kernel threads=1, BLAS 1) and two (kernel threads=2, BLAS 2);
@@ -33,9 +33,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 
 from threadpoolctl import threadpool_limits  # noqa: E402
 
-from nnef_kv.io.blockquant import BlockQuantTensor  # noqa: E402
+from nnef_kv.tensors.blockquant import BlockQuantTensor  # noqa: E402
 from nnef_kv.kernels import blockquant as bq  # noqa: E402
-from nnef_kv.kernels import kivi_attention as ka  # noqa: E402
+from nnef_kv.kv.kivi import kernels as ka  # noqa: E402
 from nnef_kv.kernels import numba_available  # noqa: E402
 from nnef_kv.kv.kivi import KiviSdpa  # noqa: E402
 
@@ -179,7 +179,7 @@ def bench_parallel(t: int, rounds: int) -> None:
 
 
 def speedup(mode: str, t: int, rounds: int) -> None:
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
     kj.PARALLEL = mode
     rng = np.random.default_rng(2)
     q = rng.standard_normal((8, 1, 128)).astype(np.float32)
@@ -199,7 +199,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=0)
     ap.add_argument("--parallel", choices=["pool", "prange"], default=None,
-                    help="how the KIVI kernels split heads over threads (default: nnef_kv.kernels._kivi_jit.PARALLEL)")
+                    help="how the KIVI kernels split heads over threads (default: nnef_kv.kv.kivi._jit.PARALLEL)")
     ap.add_argument("--bits", default="1,2,4,8", help="KIVI bit widths, comma-separated (default 1,2,4,8)")
     ap.add_argument("--groups", default="32,128", help="KIVI value groups, comma-separated (default 32,128)")
     ap.add_argument("--rows", type=int, default=1, help="query rows a kv head (GQA group), default 1")
@@ -213,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.speedup:
         speedup(args.speedup, t, rounds)
         return 0
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
     kj.PARALLEL = args.parallel or kj.PARALLEL
     print(f"load average before: {os.getloadavg()}; KIVI heads split by: {kj.PARALLEL}")
     if args.only in (None, "weights"):

@@ -11,7 +11,7 @@ round, so a change of load hits all of them):
   exact path the package has);
 * ``kivi<b>`` -- the attention part of a KIVI call (``KiviSdpa._attend``) over its packed cache (key_group
   32, value_group 128, residual 32, f16 params) at each of ``--bits``: the numba kernels of
-  :mod:`nnef_kv.kernels.kivi_attention` when they apply (numba importable, ``NNEF_KV_NO_NUMBA`` unset),
+  :mod:`nnef_kv.kv.kivi.kernels` when they apply (numba importable, ``NNEF_KV_NO_NUMBA`` unset),
   else the NumPy path. ``numba kernels: off`` in the header when they do not run.
 
 Each call is timed in wall time and CPU time of the thread. Reported per T: the two f32 times (median),

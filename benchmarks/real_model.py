@@ -280,7 +280,7 @@ def section_keys(ctx: dict[str, Any], n: int, results: dict[str, Any]) -> None:
                                           "rotate": True}),
                ("kivi 4-bit keys, 8-bit values", {"scheme": "kivi", "key_bits": 4, "value_bits": 8, "residual": 0})]
     try:
-        from nnef_kv.kv.schemes import SCHEMES
+        from nnef_kv.converters.schemes import SCHEMES
 
         if "rotated" in SCHEMES:
             configs.append(("rotated 4-bit keys (Lloyd-Max), 4-bit values",

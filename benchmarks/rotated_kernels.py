@@ -1,4 +1,4 @@
-"""Thread-CPU time of the rotated-codebook kernels alone (``nnef_kv.kernels.rotated_attention``: scores and value
+"""Thread-CPU time of the rotated-codebook kernels alone (``nnef_kv.kv.rotated.kernels``: scores and value
 sums over packed codes, numba) beside exact f32 attention (``softmax_attention``, one BLAS thread), at T tokens.
 
 Best of ``--repeat`` calls each, thread CPU time (less sensitive to other processes than wall time, not immune).
@@ -17,9 +17,9 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from nnef_kv.kernels import rotated_attention as RA  # noqa: E402
+from nnef_kv.kv.rotated import kernels as RA  # noqa: E402
 from nnef_kv.kv import softmax_attention  # noqa: E402
-from nnef_kv.kv.codebooks import codebook  # noqa: E402
+from nnef_kv.kv.rotated.codebooks import codebook  # noqa: E402
 from nnef_kv.kv.packing import RowCodec  # noqa: E402
 
 

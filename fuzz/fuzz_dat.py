@@ -13,7 +13,7 @@ with atheris.instrument_imports():
     import numpy as np
 
     import nnef_kv
-    from nnef_kv.io.dat import decode_tensor, encode_tensor
+    from nnef_kv.tensors.dat import decode_tensor, encode_tensor
 
 from _common import LIMITS, main, only_nnef_kv_errors
 

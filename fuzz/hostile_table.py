@@ -73,7 +73,7 @@ def main() -> None:
     case(rows, f"gzip bomb: {os.path.getsize(d/'bomb2.tgz')} B `.tgz`, 64 members of 8 MiB (limit 32 MiB)", lambda: nnef_kv.load(P/"bomb2.tgz", limits=Limits(max_archive_bytes=32 << 20)), "max_archive_bytes")
     case(rows, "41 members, limit 10", lambda: nnef_kv.load(H.write_tar(P/"many.tar", H.base_members()+[H.reg(f"r{i}.json", b"{}") for i in range(39)]), limits=Limits(max_members=10)), "max_members")
     case(rows, "`graph.nnef` of 20 kB, limit 4096 B", lambda: nnef_kv.load(H.write_tar(P/"text.tar", [H.reg("graph.nnef", H.GRAPH + b"# padding\n" * 2000), H.reg("w.dat", H.W_DAT)]), limits=Limits(max_text_bytes=4096)), "max_text_bytes")
-    case(rows, "`.dat` of 16 kB, limit 1024 B", lambda: nnef_kv.load(H.write_tar(P/"bigdat.tar", [H.reg("graph.nnef", H.GRAPH), H.reg("w.dat", nnef_kv.io.dat.encode_tensor(np.zeros(4096, np.float32)))]), limits=Limits(max_tensor_bytes=1024)), "max_tensor_bytes")
+    case(rows, "`.dat` of 16 kB, limit 1024 B", lambda: nnef_kv.load(H.write_tar(P/"bigdat.tar", [H.reg("graph.nnef", H.GRAPH), H.reg("w.dat", nnef_kv.tensors.dat.encode_tensor(np.zeros(4096, np.float32)))]), limits=Limits(max_tensor_bytes=1024)), "max_tensor_bytes")
     case(rows, "`.dat` whose dims multiply past 2^64", lambda: nnef_kv.read_tensor(io.BytesIO(H.dat_header(16, [0xFFFFFFFF]*8))))
     case(rows, "`.dat` of 0 items whose non-zero dims numpy cannot describe", lambda: nnef_kv.read_tensor(io.BytesIO(H.dat_header(0, [50331650, 0, 1392508931, 65536], bits=64, item_type=3))))
     case(rows, "`.dat` whose data size disagrees with its shape", lambda: nnef_kv.read_tensor(io.BytesIO(H.dat_header(16, [4, 4]) + bytes(16))))

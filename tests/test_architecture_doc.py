@@ -12,9 +12,9 @@ from test_layering import LAYERS
 
 DOC = REPO / "docs" / "architecture.md"
 TEXT = DOC.read_text()
-#: backquoted paths: `nnef_kv/...`, `tests/...`, `benchmarks/...`, and package-relative ones (`kv/schemes.py`)
+#: backquoted paths: `nnef_kv/...`, `tests/...`, `benchmarks/...`, and package-relative ones (`converters/schemes.py`)
 PATHS = sorted(set(re.findall(r"`((?:nnef_kv|tests|benchmarks|tools)/[\w/.]+?)/?`", TEXT)))
-RELATIVE = sorted(set(re.findall(r"`((?:kv|converters|validate|interpreter|plan|io|grammar|kernels)/[\w/]+\.py)",
+RELATIVE = sorted(set(re.findall(r"`((?:kv|converters|validate|interpreter|plan|io|grammar|kernels|core|tensors)/[\w/]+\.py)",
                                  TEXT)))
 MODULES = sorted(set(re.findall(r"`(nnef_kv(?:\.\w+)+)`", TEXT)))
 

@@ -15,8 +15,8 @@ import pytest
 import nnef_kv
 from nnef_kv.errors import ArchiveError, LimitError, TensorFileError
 from nnef_kv.io.archive import Model, load, save
-from nnef_kv.io.blockquant import BlockQuantTensor
-from nnef_kv.io.dat import DatInfo, encode_tensor
+from nnef_kv.tensors.blockquant import BlockQuantTensor
+from nnef_kv.tensors.dat import DatInfo, encode_tensor
 from nnef_kv.limits import Limits
 
 from conftest import CONFORMANCE, FIXTURES, requires_shared

@@ -14,7 +14,7 @@ from conftest import FIXTURES, REPO
 from nnef_kv.interpreter.plan import get_plan
 from nnef_kv.interpreter.plan.blockweights import BlockLinear
 from nnef_kv.interpreter.session import Session
-from nnef_kv.io.blockquant import BlockQuantTensor
+from nnef_kv.tensors.blockquant import BlockQuantTensor
 from nnef_kv.io.archive import Model
 from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
 from nnef_kv.models import DecoderConfig, build_decoder

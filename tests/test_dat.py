@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 from nnef_kv.errors import LimitError, TensorFileError
-from nnef_kv.io.blockquant import Q4_0_GGML, Q4_0_LEGACY, Q8_1_READ, Q8_1_WRITTEN, BlockQuantTensor
-from nnef_kv.io.dat import (
+from nnef_kv.tensors.blockquant import Q4_0_GGML, Q4_0_LEGACY, Q8_1_READ, Q8_1_WRITTEN, BlockQuantTensor
+from nnef_kv.tensors.dat import (
     TRACT_VENDOR,
     DatInfo,
     decode_tensor,

@@ -43,7 +43,7 @@ from hypothesis import strategies as st
 
 import nnef_kv
 from nnef_kv.errors import NnefKvError
-from nnef_kv.io.dat import decode_tensor, encode_tensor
+from nnef_kv.tensors.dat import decode_tensor, encode_tensor
 from nnef_kv.limits import Limits
 
 from conftest import CONFORMANCE
@@ -1049,12 +1049,12 @@ def test_quant_identifier_value_roundtrip() -> None:
 
 
 def test_ragged_array_literal_is_a_graph_error() -> None:
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
     doc = nnef_kv.parse("version 1.0;\ngraph g(x) -> (y) { x = external<scalar>(shape = [2]); "
                         "y = add(x, [[1.0, 2.0], [3.0]]); }", filename="ragged.nnef")
     with pytest.raises(nnef_kv.GraphError, match="ragged|inhomogeneous|array"):
-        DocumentModel(doc).session()
+        Model(doc).session()
 
 
 @pytest.mark.parametrize("entry", [
@@ -1070,16 +1070,16 @@ def test_incomplete_graph_quant_entry_is_a_graph_error(entry: str) -> None:
 
 
 def test_non_string_datum_type_is_a_graph_error() -> None:
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
     doc = nnef_kv.parse("version 1.0;\nextension tract_registry tract_core;\ngraph g(x) -> (y) {\n"
                         "  x = tract_core_external(shape = [2], datum_type = true);\n  y = relu(x);\n}\n")
     with pytest.raises(nnef_kv.GraphError, match="datum_type|true"):
-        DocumentModel(doc).session()
+        Model(doc).session()
 
 
 def test_scan_body_result_never_assigned_is_a_graph_error() -> None:
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
     text = """version 1.0;
 extension tract_registry tract_core;
@@ -1096,17 +1096,17 @@ graph g(input) -> (output) {
 }
 """
     with pytest.raises(nnef_kv.GraphError, match="h_next"):
-        DocumentModel(nnef_kv.parse(text)).session()
+        Model(nnef_kv.parse(text)).session()
 
 
 @pytest.mark.parametrize("expr", ['-[[1.0, 2.0]]', '-"a"', '[1.0][0:"a"]', "length_of(1)", "range_of(1.5)", "1.5[0:1]",
                                   "[for i in 3 yield i]", "[for i in [1, 2], j in 3 yield i]"])
 def test_ill_typed_attribute_expression_is_a_graph_error(expr: str) -> None:
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
     doc = nnef_kv.parse(f"version 1.0;\ngraph g(x) -> (y) {{ x = external<scalar>(shape = [2]); y = add(x, {expr}); }}")
     with pytest.raises(nnef_kv.GraphError, match="evaluate|length_of|range_of|slice"):
-        DocumentModel(doc).session()
+        Model(doc).session()
 
 
 def test_non_string_variable_label_is_a_graph_error() -> None:

@@ -94,7 +94,7 @@ def test_quantized_tensors_are_dequantized_as_gguf_quants_does(tmp_path):
 
 
 def test_keep_holds_q4_0_as_tract_blocks_and_a_q8_0_embedding_as_q8_1(tmp_path):
-    from nnef_kv.io.blockquant import BlockQuantTensor
+    from nnef_kv.tensors.blockquant import BlockQuantTensor
 
     cfg = _cfg(tied_embeddings=True)
     w = build_decoder_weights(cfg)

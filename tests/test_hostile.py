@@ -26,7 +26,7 @@ import pytest
 
 import nnef_kv
 from nnef_kv.errors import ArchiveError, GraphError, LimitError, NnefKvError, NnefSyntaxError, TensorFileError
-from nnef_kv.io.dat import encode_tensor
+from nnef_kv.tensors.dat import encode_tensor
 from nnef_kv.limits import Limits
 
 MiB = 1 << 20
@@ -140,7 +140,7 @@ def run_capped(code: str, *, mem: int = 1536 * MiB, timeout: float = 60.0) -> tu
 CHILD_PRELUDE = """
 import sys, nnef_kv
 from nnef_kv.limits import Limits
-from nnef_kv.interpreter.session import DocumentModel
+from nnef_kv.io.archive import Model
 def outcome(fn):
     try:
         fn()
@@ -150,7 +150,7 @@ def outcome(fn):
     except BaseException as e:
         print(f"FOREIGN {type(e).__name__}: {e}")
 def session_of(text):
-    return DocumentModel(nnef_kv.parse(text, filename="hostile.nnef")).session()
+    return Model(nnef_kv.parse(text, filename="hostile.nnef")).session()
 """
 
 
@@ -160,9 +160,9 @@ def graph_text(body: str, fragments: str = "", outputs: str = "y") -> str:
 
 
 def session_of(text: str) -> Any:
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
-    return DocumentModel(nnef_kv.parse(text, filename="hostile.nnef")).session()
+    return Model(nnef_kv.parse(text, filename="hostile.nnef")).session()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -411,7 +411,7 @@ def test_dat_dims_product_overflows() -> None:
 
 def test_dat_empty_but_undescribable_shape() -> None:
     """Found by atheris: extents [50331650, 0, 1392508931, 65536] hold 0 items, yet numpy cannot even make
-    an empty array of that shape (ValueError escaped before the fix in io/dat.py:_count)."""
+    an empty array of that shape (ValueError escaped before the fix in tensors/dat.py:_count)."""
     blob = dat_header(0, [50331650, 0, 1392508931, 65536], bits=64, item_type=3)
     refused(lambda: nnef_kv.read_tensor(io.BytesIO(blob)), TensorFileError,
             "the product of non-zero dims [50331650, 0, 1392508931, 65536] overflows")

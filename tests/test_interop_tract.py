@@ -17,7 +17,7 @@ import pytest
 
 from nnef_kv import tract_driver
 from nnef_kv.io.archive import load, save
-from nnef_kv.io.dat import encode_tensor
+from nnef_kv.tensors.dat import encode_tensor
 
 from conftest import CONFORMANCE, FIXTURES, requires_shared, requires_tract
 
@@ -148,7 +148,7 @@ def test_block_quant_tensors_written_by_nnef_kv_are_read_by_tract(tmp_path):
     """A Q4_0 (GGML order) and a legacy-order weight quantized by nnef-kv: tract computes with them
     the values that nnef-kv's dequantize() gives."""
     from nnef_kv.io.archive import Model
-    from nnef_kv.io.blockquant import Q4_0_LEGACY, BlockQuantTensor
+    from nnef_kv.tensors.blockquant import Q4_0_LEGACY, BlockQuantTensor
 
     text = """version 1.0;
 

@@ -12,9 +12,9 @@ from nnef_kv.errors import GraphError, InputError, UnknownOpError
 
 
 def model_of(text: str, tensors: dict[str, np.ndarray] | None = None) -> Any:
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
-    return DocumentModel(nnef_kv.parse(text, filename="t/graph.nnef"), dict(tensors or {}), source="t")
+    return Model(nnef_kv.parse(text, filename="t/graph.nnef"), dict(tensors or {}), source="t")
 
 
 def run(text: str, tensors: dict[str, np.ndarray] | None = None, **inputs: Any) -> dict[str, np.ndarray]:

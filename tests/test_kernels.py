@@ -23,10 +23,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nnef_kv.io.blockquant import Q4_0_GGML, Q4_0_LEGACY, BlockQuantTensor
+from nnef_kv.tensors.blockquant import Q4_0_GGML, Q4_0_LEGACY, BlockQuantTensor
 from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
 from nnef_kv.kernels import blockquant as bq
-from nnef_kv.kernels import kivi_attention as ka
+from nnef_kv.kv.kivi import kernels as ka
 from nnef_kv.kv.kivi import KiviSdpa
 
 REPO = Path(__file__).resolve().parents[1]
@@ -57,7 +57,7 @@ def mode(request, monkeypatch):
 
 # ===================================================================================== dispatch
 def test_import_of_nnef_kv_and_the_kernel_modules_does_not_import_numba():
-    code = ("import sys, nnef_kv, nnef_kv.kernels, nnef_kv.kernels.blockquant, nnef_kv.kernels.kivi_attention, "
+    code = ("import sys, nnef_kv, nnef_kv.kernels, nnef_kv.kernels.blockquant, nnef_kv.kv.kivi.kernels, "
             "nnef_kv.interpreter, nnef_kv.kv; print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -209,7 +209,7 @@ def test_orientation_on_a_tract_written_q4_0_linear(mode):
     magnitudes sum to 11,396) and -512.3, so tract's own f32 result is 1.5e-5 from the exact product, while the
     kernel's is 8e-7 (measured on an AMD EPYC; whether a given platform's rounding lands within 1e-5 of
     tract's is chance)."""
-    from nnef_kv.io.dat import read_tensor
+    from nnef_kv.tensors.dat import read_tensor
 
     t = read_tensor(CASE / "linear__var0_q4_0.dat")
     assert isinstance(t, BlockQuantTensor) and t.item_type == Q4_0_LEGACY
@@ -329,7 +329,7 @@ def test_key_scores_and_value_sum_match_their_references(mode, bits, kg, d, vg_d
 @requires_numba
 def test_threads_and_prange_give_bit_identical_results(monkeypatch):
     """Heads are independent: splitting them over threads (pool or numba prange) changes nothing."""
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
 
     monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
     monkeypatch.setattr(kj, "SPLIT_WORK", 0)  # split however small the step
@@ -376,8 +376,9 @@ _SCRIPT = r"""
 import json, sys
 import numpy as np
 sys.path.insert(0, {repo!r})
-from nnef_kv.io.blockquant import BlockQuantTensor
-from nnef_kv.kernels import blockquant as bq, kivi_attention as ka, numba_available
+from nnef_kv.tensors.blockquant import BlockQuantTensor
+from nnef_kv.kernels import blockquant as bq, numba_available
+from nnef_kv.kv.kivi import kernels as ka
 from nnef_kv.kv.kivi import KiviSdpa
 rng = np.random.default_rng(11)
 p = bq.repack(BlockQuantTensor.quantize_q4_0(rng.standard_normal((48, 128)).astype(np.float32)))
@@ -413,7 +414,7 @@ def test_pooled_heads_keep_the_one_thread_bits(monkeypatch, case):
     """The pool runs each head whole (scores, its softmax, values): a prefill chunk's causal mask, and rows
     whose max is not finite (then the reference's all-heads rule: recomputed on one thread), give the
     one-thread bits; so does a head with a +inf score beside a head with a NaN one."""
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
 
     monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
     monkeypatch.setattr(kj, "PARALLEL", "pool")
@@ -504,7 +505,7 @@ def test_fused_softmax_matches_numpy_softmax():
     and outputs around NumPy's softmax. Bound: each weight within 1 + 2.4 ulp (the two exps; 8 eps
     relative, rounded up), the weights' sum within T eps (another order), so the outputs move by at most
     (2 * 8 + T) eps max|v|."""
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
 
     rng = np.random.default_rng(12)
     for sq, params in ((1, "f16"), (3, "f32")):
@@ -524,7 +525,7 @@ def test_fused_softmax_matches_numpy_softmax():
 def test_a_helper_moves_off_the_calling_threads_cpu(monkeypatch):
     """The pool thread of a two-thread decode step keeps off the CPU its caller is on (where a woken helper
     otherwise tends to stay, leaving the caller waiting), with one affinity call per change of CPU."""
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
 
     allowed = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if len(allowed) < 2 or kj._getcpu is None:
@@ -553,7 +554,7 @@ def test_a_helper_moves_off_the_calling_threads_cpu(monkeypatch):
 def test_a_small_step_stays_on_the_calling_thread(monkeypatch):
     """Below ``SPLIT_WORK`` a two-thread step wakes no helper (it would cost more than it saves), and gives
     the bits of the split step."""
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
 
     monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
     rng = np.random.default_rng(13)

@@ -1,4 +1,4 @@
-"""KiviSdpa's calls on the numba decode kernels (kv/kivi_attend.py ``_attend``): used when the cache is
+"""KiviSdpa's calls on the numba decode kernels (kv/kivi/attend.py ``_attend``): used when the cache is
 long enough and the kernels apply, within the kernels' rounding bound of the NumPy path, the same state
 left behind, bit-identical on one and two threads; the NumPy path otherwise (outliers, softcap, short
 caches, numba off), and stepwise runs unchanged."""
@@ -73,7 +73,7 @@ def test_two_threads_give_the_one_thread_bits_on_the_kernels(monkeypatch) -> Non
     for op in (a, b):
         op(*x)
     monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
-    from nnef_kv.kernels import _kivi_jit as kj
+    from nnef_kv.kv.kivi import _jit as kj
 
     monkeypatch.setattr(kj, "SPLIT_WORK", 0)  # split however small the step
     for _ in range(5):

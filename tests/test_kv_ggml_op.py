@@ -465,7 +465,7 @@ def test_bad_attributes_and_inputs():
 
 
 def test_registered_with_its_declaration():
-    from nnef_kv.interpreter.registry import PRIMITIVES, StatefulKernel
+    from nnef_kv.core.registry import PRIMITIVES, StatefulKernel
     from nnef_kv.kv import ops
 
     prim = PRIMITIVES["nnef_kv_ggml_sdpa"]

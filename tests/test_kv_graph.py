@@ -35,9 +35,9 @@ graph g(q, k, v) -> (o, kc) {
 
 def _session(text):
     pytest.importorskip("nnef_kv.interpreter.session")
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
-    return DocumentModel(nnef_kv.parse(text))
+    return Model(nnef_kv.parse(text))
 
 
 def _feed(rng):

@@ -250,7 +250,7 @@ def test_bad_attributes_and_inputs():
 
 
 def test_registered_with_the_interpreter():
-    from nnef_kv.interpreter.registry import PRIMITIVES, StatefulKernel
+    from nnef_kv.core.registry import PRIMITIVES, StatefulKernel
     import nnef_kv.kv.ops  # noqa: F401
 
     prims = {name: PRIMITIVES[name] for name in

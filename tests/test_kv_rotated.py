@@ -11,9 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nnef_kv.errors import GraphError, InputError, StateError
-from nnef_kv.kernels import rotated_attention as RA
+from nnef_kv.kv.rotated import kernels as RA
 from nnef_kv.kv import GgmlSdpa, ggml
-from nnef_kv.kv.codebooks import boundaries, codebook, codebook_mse, gaussian_codebook, rotation
+from nnef_kv.kv.rotated.codebooks import boundaries, codebook, codebook_mse, gaussian_codebook, rotation
 from nnef_kv.kv.packing import RowCodec
 from nnef_kv.kv.rotated import RotatedSdpa
 
@@ -390,7 +390,7 @@ graph g(q, k, v) -> (o) {
 
 
 def test_the_op_in_a_graph(tmp_path):
-    from nnef_kv.interpreter.registry import PRIMITIVES
+    from nnef_kv.core.registry import PRIMITIVES
     from nnef_kv.io.archive import Model
     from nnef_kv.kv import ops
 
@@ -418,7 +418,7 @@ def test_scheme_specs_and_flags():
 
     from nnef_kv.converters.options import add_arguments, from_arguments
     from nnef_kv.errors import ConversionError
-    from nnef_kv.kv import schemes as S
+    from nnef_kv.converters import schemes as S
     from nnef_kv.validate.compare import parse_spec
 
     assert parse_spec("rotated:3").options == (("bits", 3),)

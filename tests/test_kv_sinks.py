@@ -80,7 +80,7 @@ def test_on_quantized_codes_the_sinks_add_no_error(path) -> None:
 
 
 def test_the_decode_kernels_are_not_used_with_sinks(monkeypatch) -> None:
-    import nnef_kv.kernels.kivi_attention as ka
+    import nnef_kv.kv.kivi.kernels as ka
 
     monkeypatch.setattr(ka, "decode_attention_rows", lambda *a, **k: pytest.fail("kernel used with sink logits"))
     q, k, v = _data()

@@ -8,42 +8,25 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
 
 from conftest import REPO
 
 PACKAGE = REPO / "nnef_kv"
 
-#: low to high; a module belongs to the longest prefix listed (a package name covers its modules)
+#: the floors, low to high: each a folder of the package (a subpackage) or, at the bottom, the few
+#: single modules everything uses. A module belongs to the longest prefix listed.
 LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv._version", "nnef_kv.errors", "nnef_kv.limits", "nnef_kv.targets", "nnef_kv.atomic", "nnef_kv.progress"),
-    ("nnef_kv.grammar",),
-    ("nnef_kv.io.dat", "nnef_kv.io.blockquant", "nnef_kv.io.container", "nnef_kv.io.npz", "nnef_kv.io.sniff"),
-    ("nnef_kv.interpreter.registry", "nnef_kv.interpreter.params", "nnef_kv.interpreter.dtypes",
-     "nnef_kv.interpreter.coerce"),
-    ("nnef_kv.kv.common", "nnef_kv.kv.packing", "nnef_kv.kv.ggml"),
-    ("nnef_kv.kernels",),
-    ("nnef_kv.kv",),
-    ("nnef_kv.interpreter.ops", "nnef_kv.kv.ops"),
-    ("nnef_kv.interpreter.catalog",),
-    ("nnef_kv.interpreter.values", "nnef_kv.interpreter.graph", "nnef_kv.interpreter.assertions",
-     "nnef_kv.interpreter.attrs", "nnef_kv.interpreter.quant", "nnef_kv.interpreter.nested",
-     "nnef_kv.interpreter.sources", "nnef_kv.interpreter.builder"),
-    ("nnef_kv.interpreter.plan",),
-    ("nnef_kv.interpreter.session", "nnef_kv.interpreter.check", "nnef_kv.interpreter"),
-    ("nnef_kv.io.archive", "nnef_kv.io"),
-    ("nnef_kv.tract_driver",),  # loads archives (io) into tract; used by validate
-    ("nnef_kv.models", "nnef_kv.samples", "nnef_kv.text", "nnef_kv.summary"),
-    ("nnef_kv.converters.graph_edit", "nnef_kv.converters.masks", "nnef_kv.converters.sinks",
-     "nnef_kv.converters.folded", "nnef_kv.converters.attention", "nnef_kv.converters.caches",
-     "nnef_kv.converters.exported"),
-    ("nnef_kv.kv.schemes",),
-    ("nnef_kv.converters.frontends",),
-    ("nnef_kv.converters",),
-    ("nnef_kv.validate",),
-    ("nnef_kv.cli.args", "nnef_kv.cli.threads", "nnef_kv.cli.words", "nnef_kv.cli.measure"),  # the CLI's helpers
-    ("nnef_kv.cli.inspect", "nnef_kv.cli.convert", "nnef_kv.cli.run", "nnef_kv.cli.generate", "nnef_kv.cli.validate",
-     "nnef_kv.cli.demo", "nnef_kv.cli.compare"),  # one module per command
+    ("nnef_kv.grammar",),  # text <-> AST
+    ("nnef_kv.tensors",),  # a tensor's bytes: .dat, block-quantized tensors, mapped pages
+    ("nnef_kv.core",),  # the op contract: registry, params, dtypes, coerce
+    ("nnef_kv.kernels",),  # numba kernels of the weight products, each beside its NumPy reference
+    ("nnef_kv.kv",),  # the KV states (KIVI with its kernels in kv/kivi/), registered as ops by kv/ops.py
+    ("nnef_kv.interpreter",),  # op families, graph, plan, session
+    ("nnef_kv.io",),  # archives: containers, the Model, load / save
+    ("nnef_kv.tract_driver", "nnef_kv.models", "nnef_kv.samples", "nnef_kv.text", "nnef_kv.summary"),
+    ("nnef_kv.converters",),  # front ends, recognizers, schemes, rewrite passes
+    ("nnef_kv.validate",),  # measuring, compare, auto-bits, reports
     ("nnef_kv.cli", "nnef_kv.__main__"),
     ("nnef_kv",),
 ]
@@ -204,10 +187,69 @@ def test_the_checks_fail_on_a_fake_cycle_and_an_upward_import(tmp_path) -> None:
     assert upward(g, layers) == ["nnef_kv.low.c (layer 0) imports nnef_kv.high (layer 1)"]  # TYPE_CHECKING ignored
 
 
-@pytest.mark.parametrize("name", sorted(modules()))
-def test_module_size(name) -> None:
-    """No module over ~600 lines, except an op family's (one file registering a family of kernels)."""
+def floor_graph(g: dict[str, set[str]], layers: list[tuple[str, ...]] = LAYERS) -> dict[str, set[str]]:
+    """The import graph between floors (a floor: the longest listed prefix a module belongs to)."""
+    def floor(m: str) -> str:
+        best = ""
+        for row in layers:
+            for pre in row:
+                if (m == pre or m.startswith(pre + ".")) and len(pre) > len(best):
+                    best = pre
+        return best or m
+
+    out: dict[str, set[str]] = {}
+    for m, deps in g.items():
+        out.setdefault(floor(m), set()).update(floor(d) for d in deps if floor(d) != floor(m))
+    return out
+
+
+def test_the_floors_are_folders() -> None:
+    """Every floor but the bottom one (a few single modules) and the package itself is a folder."""
+    for row in LAYERS[1:-1]:
+        for name in row:
+            path = PACKAGE.parent / name.replace(".", "/")
+            single = name in ("nnef_kv.tract_driver", "nnef_kv.models", "nnef_kv.samples", "nnef_kv.text",
+                              "nnef_kv.summary", "nnef_kv.__main__")
+            assert (path / "__init__.py").is_file() or single and path.with_suffix(".py").is_file(), name
+    assert len(LAYERS) <= 14
+    assert cycles(floor_graph(graph())) == []
+
+
+def test_a_fake_folder_cycle_fails(tmp_path) -> None:
+    """Two folders importing each other (each module on its own acyclic) fail as a floor cycle and as an
+    upward import, whichever order they are declared in."""
+    pkg = tmp_path / "nnef_kv"
+    for d in ("low", "high"):
+        (pkg / d).mkdir(parents=True)
+        (pkg / d / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "low" / "a.py").write_text("def f():\n    from ..high import b\n")
+    (pkg / "high" / "b.py").write_text("x = 1\n")
+    (pkg / "high" / "c.py").write_text("from ..low import d\n")
+    (pkg / "low" / "d.py").write_text("y = 2\n")
+    g = graph(pkg)
+    assert cycles(g) == []  # no module cycle
+    for layers in ([("nnef_kv.low",), ("nnef_kv.high",), ("nnef_kv",)],
+                   [("nnef_kv.high",), ("nnef_kv.low",), ("nnef_kv",)]):
+        assert cycles(floor_graph(g, layers)) == [["nnef_kv.high", "nnef_kv.low"]]
+        assert len(upward(g, layers)) == 1
+
+
+#: modules above this many lines are reported (a warning in the test summary), not refused: a module is split
+#: where its concepts part, not at a line count
+LONG_MODULE = 620
+
+
+def test_long_modules_are_reported() -> None:
+    """Modules over :data:`LONG_MODULE` lines, op family files aside (one file registering a family of kernels),
+    are named in one warning: a prompt to look for the concepts to split along, never a failure."""
+    import warnings
+
     families = {"nnef_kv.interpreter.ops.nnef_std", "nnef_kv.interpreter.ops.tract_core",
-                "nnef_kv.interpreter.ops.tract_transformers", "nnef_kv.kernels._kivi_jit"}
-    n = len(modules()[name].read_text().splitlines())
-    assert name in families or n <= 620, f"{name}: {n} lines"
+                "nnef_kv.interpreter.ops.tract_transformers", "nnef_kv.kv.kivi._jit"}
+    long = {m: len(p.read_text().splitlines()) for m, p in modules().items()}
+    long = {m: n for m, n in long.items() if n > LONG_MODULE and m not in families}
+    if long:
+        warnings.warn("long modules: " + ", ".join(f"{m} ({n} lines)" for m, n in sorted(long.items())),
+                      UserWarning)
+    assert all(n < 4 * LONG_MODULE for n in long.values()), long  # a module this long is an accident

@@ -11,7 +11,7 @@ from nnef_kv.converters.graph_edit import GraphEdit
 from nnef_kv.converters.masks import MaskSite, combine, length_symbols, pattern, read_masks
 from nnef_kv.errors import ConversionError
 from nnef_kv.io.archive import Model
-from nnef_kv.kv.schemes import SCHEMES
+from nnef_kv.converters.schemes import SCHEMES
 from nnef_kv.models import DecoderConfig, build_decoder, build_decoder_weights
 from nnef_kv.models.llama import build_decoder_text, empty_cache
 from nnef_kv.models.reference import reference_logits

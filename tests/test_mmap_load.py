@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import nnef_kv
-from nnef_kv.io.container import _mapping_of, release_pages
+from nnef_kv.tensors.pages import _mapping_of, release_pages
 
 MIB = 1 << 20
 

@@ -17,7 +17,7 @@ import pytest
 
 import nnef_kv
 from nnef_kv.errors import InputError, NnefKvError
-from nnef_kv.interpreter.session import DocumentModel
+from nnef_kv.io.archive import Model
 
 from conftest import CONFORMANCE, requires_tract
 
@@ -26,7 +26,7 @@ OTHER = np.array([1.0, np.inf, np.inf, 0.0, 0.0, np.nan, -np.inf, 0.0, 3.4e38, n
 
 
 def ours(text: str, feeds: dict[str, np.ndarray]) -> np.ndarray:
-    session = DocumentModel(nnef_kv.parse(text, filename="numbers.nnef")).session()
+    session = Model(nnef_kv.parse(text, filename="numbers.nnef")).session()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # numpy's overflow/invalid warnings: IEEE results expected
         return np.asarray(session.run(feeds)["y"])
@@ -188,7 +188,7 @@ def test_special_values_through_graphs(tmp_path: Path, name: str) -> None:
     want = theirs(tmp_path, g, list(feeds.values()))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        got = np.asarray(DocumentModel(nnef_kv.parse(g.text())).session().run(feeds)["y"])
+        got = np.asarray(Model(nnef_kv.parse(g.text())).session().run(feeds)["y"])
     same_numbers(got, want)
 
 
@@ -285,7 +285,7 @@ def _stateful_feed(value: float, idx: int) -> dict[str, np.ndarray]:
 
 def test_refused_symbolic_shape_leaves_state_untouched() -> None:
     """A sequence-length input whose shape breaks the graph's symbols is refused before the cache grows."""
-    session = DocumentModel(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()
+    session = Model(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()
     session.run(_stateful_feed(1.0, 0))
     before = _state(session)
     with pytest.raises(InputError):
@@ -298,8 +298,8 @@ def test_refused_symbolic_shape_leaves_state_untouched() -> None:
 
 
 def test_failed_run_after_cache_update_rolls_back() -> None:
-    session = DocumentModel(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()
-    fresh = DocumentModel(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()
+    session = Model(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()
+    fresh = Model(nnef_kv.parse(STATEFUL_GRAPH, filename="kv.nnef")).session()
     np.testing.assert_array_equal(session.run(_stateful_feed(1.0, 0))["y"], fresh.run(_stateful_feed(1.0, 0))["y"])
     with pytest.raises(NnefKvError):
         session.run(_stateful_feed(100.0, 5))  # gather index 5 of a 2-row table: fails after the cache

@@ -1,6 +1,6 @@
 """Every op fact lives in the registry (issue 24 item 3): the sets of op names tools need (graph inputs,
 views, pass-throughs, softmaxes, gathers, fresh results, shape-memo ops, ...) are facts declared by the
-ops (``registry.FACTS``, :func:`nnef_kv.interpreter.registry.declare`) and asked of the registry
+ops (``registry.FACTS``, :func:`nnef_kv.core.registry.declare`) and asked of the registry
 (``catalog.ops_having``). No module outside the op families writes a collection of two or more
 registered op names, except a recognizer's pattern marked ``# op pattern`` (the arithmetic an attention's
 scores may go through; they go with the one attention recognizer) and words that merely coincide with op
@@ -12,11 +12,11 @@ import ast
 import pytest
 
 from nnef_kv.interpreter import catalog
-from nnef_kv.interpreter.registry import FACTS, GraphError, Primitive
+from nnef_kv.core.registry import FACTS, GraphError, Primitive
 
 from conftest import REPO
 
-OP_MODULES = ("nnef_kv/interpreter/ops/", "nnef_kv/kv/ops.py", "nnef_kv/interpreter/registry.py")
+OP_MODULES = ("nnef_kv/interpreter/ops/", "nnef_kv/kv/ops.py", "nnef_kv/core/registry.py")
 MARKS = ("# op pattern", "# not op names")
 
 

@@ -13,9 +13,9 @@ import pytest
 
 import nnef_kv
 from nnef_kv.errors import ConversionError, GraphError
-from nnef_kv.interpreter import registry as R
+from nnef_kv.core import registry as R
 from nnef_kv.interpreter.catalog import PRIMITIVES, lookup, ops_with
-from nnef_kv.interpreter.registry import NO_CHECKPOINT, KvState, Primitive
+from nnef_kv.core.registry import NO_CHECKPOINT, KvState, Primitive
 
 #: the binary and unit element-wise ops tract 0.23.9 registers (sonos/tract nnef/src/ops/nnef/mod.rs):
 #: their operands bind by position whatever their names

@@ -8,7 +8,7 @@ import pytest
 
 from nnef_kv.converters import convert
 from nnef_kv.errors import ConversionError
-from nnef_kv.kv import schemes as S
+from nnef_kv.converters import schemes as S
 from nnef_kv.models import DecoderConfig, build_decoder
 from test_stepwise import assert_states_close
 

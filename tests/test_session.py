@@ -213,9 +213,9 @@ def test_benchmark_lockstep_smoke(capsys: pytest.CaptureFixture[str]) -> None:
 # capture, errors placed at their node, tract_assert, liveness
 # ------------------------------------------------------------------------------------------------
 def doc_session(text: str, tensors: dict[str, np.ndarray] | None = None) -> Any:
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
-    return DocumentModel(nnef_kv.parse(text, filename="t/graph.nnef"), dict(tensors or {}), source="t").session()
+    return Model(nnef_kv.parse(text, filename="t/graph.nnef"), dict(tensors or {}), source="t").session()
 
 
 CAPTURE_TEXT = """version 1.0;
@@ -428,7 +428,8 @@ graph g(x, n) -> (y)
 
 def test_threads_2_splits_large_products_with_the_same_results() -> None:
     from nnef_kv.interpreter.plan import parallel
-    from nnef_kv.interpreter.session import DocumentModel, Session
+    from nnef_kv.interpreter.session import Session
+    from nnef_kv.io.archive import Model
 
     rng = np.random.default_rng(7)
     w = rng.standard_normal((1, 320, 256)).astype(np.float32)  # 320 KB: split
@@ -440,7 +441,7 @@ graph g(x) -> (y)
   y = matmul(x, w, transposeA = false, transposeB = true);
 }
 """
-    model = DocumentModel(nnef_kv.parse(text), {"w": w})
+    model = Model(nnef_kv.parse(text), {"w": w})
     one, two = Session(model, threads=1), Session(model, threads=2)
     before = parallel.SPLITTER.split + parallel.SPLITTER.paused
     for n in (1, 7):
@@ -493,11 +494,11 @@ def test_failed_run_rolls_the_quantized_cache_back() -> None:
     """A run failing downstream of a KIVI cache that already took its token leaves the cache as before
     the run (O(1) checkpoint): the session goes on exactly as one that never saw the failed run."""
     from nnef_kv.errors import NnefKvError
-    from nnef_kv.interpreter.session import DocumentModel
+    from nnef_kv.io.archive import Model
 
     text = KIVI_FAILING_GRAPH.replace("shape = [1, 2, 1, 8]", "shape = [1, 2, S, 8]").replace(
         "tract_core;\n", "tract_core;\nextension tract_symbol S;\n", 1)
-    model = DocumentModel(nnef_kv.parse(text, filename="kivi.nnef"))
+    model = Model(nnef_kv.parse(text, filename="kivi.nnef"))
     rng = np.random.default_rng(0)
     qs = [rng.standard_normal((1, 2, int(n), 8)).astype(np.float32) for n in [1, 3, 1, 5, 1, 1, 2, 1, 1, 1]]
     session, fresh = model.session(), model.session()
@@ -517,12 +518,12 @@ def test_failed_run_after_a_state_without_rollback_makes_the_session_refuse_unti
     session refuses to go on from a state that run may have advanced (no silent drift), and reset()
     makes it usable again."""
     from nnef_kv.errors import NnefKvError
-    from nnef_kv.interpreter.session import DocumentModel
-    from nnef_kv.interpreter.registry import NO_CHECKPOINT
+    from nnef_kv.io.archive import Model
+    from nnef_kv.core.registry import NO_CHECKPOINT
     from nnef_kv.kv.kivi import KiviSdpa
 
     monkeypatch.setattr(KiviSdpa, "checkpoint", lambda self: NO_CHECKPOINT)
-    model = DocumentModel(nnef_kv.parse(KIVI_FAILING_GRAPH, filename="kivi.nnef"))
+    model = Model(nnef_kv.parse(KIVI_FAILING_GRAPH, filename="kivi.nnef"))
     rng = np.random.default_rng(0)
     qs = [rng.standard_normal((1, 2, 1, 8)).astype(np.float32) for _ in range(6)]
     session, fresh = model.session(), model.session()

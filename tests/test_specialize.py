@@ -17,7 +17,7 @@ from nnef_kv.interpreter.ops import tract_transformers as T
 from nnef_kv.interpreter.plan import build_plan, execute, bind_inputs
 from nnef_kv.interpreter.plan import get_plan
 from nnef_kv.interpreter.plan.specialize import SPECIALIZERS, specialize
-from nnef_kv.interpreter.session import DocumentModel
+from nnef_kv.io.archive import Model
 
 
 def same(fast: Callable[[], Any], slow: Callable[[], Any]) -> None:
@@ -169,11 +169,11 @@ graph g(x) -> (y, r2)
 """
 
 
-def block_model() -> DocumentModel:
+def block_model() -> Model:
     rng = np.random.default_rng(0)
     t = {k: rng.standard_normal(s).astype(np.float32) for k, s in
          [("w1", (1, 1, 16)), ("wg", (1, 16, 24)), ("wu", (1, 16, 24)), ("wide", (3, 1, 24))]}
-    return DocumentModel(nnef_kv.parse(BLOCK, filename="t/graph.nnef"), t, source="t")
+    return Model(nnef_kv.parse(BLOCK, filename="t/graph.nnef"), t, source="t")
 
 
 def run_plan(plan: Any, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -226,7 +226,7 @@ graph g(x) -> (y)
   y = mul(tract_core_rms_norm(x, axis = 5, eps = 1e-5), w);
 }
 """
-    model = DocumentModel(nnef_kv.parse(text, filename="t/graph.nnef"), {"w": np.ones((2, 3), np.float32)}, source="t")
+    model = Model(nnef_kv.parse(text, filename="t/graph.nnef"), {"w": np.ones((2, 3), np.float32)}, source="t")
     with pytest.raises(GraphError, match=r"graph\.nnef:7:\d+: .*tract_core_rms_norm.*axis 5 out of range"):
         model.session().run({"x": np.ones((2, 3), np.float32)})
 
@@ -253,13 +253,13 @@ def test_compiled_attributes_match_the_interpreter(seq: int) -> None:
     doc = nnef_kv.parse(ATTRS, filename="t/graph.nnef")
     x = arrays(np.float32, (1, seq, 4), seq)
     n = np.asarray(4, np.int64)
-    out = DocumentModel(doc, {}, source="t").session().run({"x": x, "n": n})
+    out = Model(doc, {}, source="t").session().run({"x": x, "n": n})
     # NNEF integer division truncates towards zero: (0 - S) / 2 = -(S // 2)
     np.testing.assert_array_equal(out["r"], np.arange(seq - 7, 2 * seq + seq // 2, dtype=np.int64))
     begin = -(seq // 2)
     np.testing.assert_array_equal(out["s"], x[:, begin + seq if begin < 0 else begin:seq - 1])
     np.testing.assert_array_equal(out["t"], x.reshape(seq * 2, 2))
-    lazies = [a for node in get_plan(DocumentModel(doc, {}, source="t")).step_nodes for a in node.attrs.values()
+    lazies = [a for node in get_plan(Model(doc, {}, source="t")).step_nodes for a in node.attrs.values()
               if hasattr(a, "fn")]
     assert lazies, "the attributes above are per-run values"
 
@@ -269,7 +269,7 @@ def run_both(monkeypatch: pytest.MonkeyPatch, text: str, inputs: dict[str, np.nd
     from nnef_kv.interpreter.builder import GraphBuilder
 
     def attempt() -> Any:
-        model = DocumentModel(nnef_kv.parse(text, filename="t/graph.nnef"), {}, source="t")
+        model = Model(nnef_kv.parse(text, filename="t/graph.nnef"), {}, source="t")
         try:
             return model.session().run(inputs)
         except NnefKvError as exc:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import nnef_kv
-from nnef_kv.interpreter.session import DocumentModel
+from nnef_kv.io.archive import Model
 
 GRAPH = """version 1.0;
 extension nnef_kv;
@@ -39,8 +39,8 @@ def _one_token_runs(session, feed: dict[str, np.ndarray]) -> np.ndarray:
 @pytest.mark.parametrize("token_symbol", [None, "S"])
 def test_float_inputs_sharing_one_symbol_run_stepwise_as_one_token_runs(token_symbol) -> None:
     feed = _qkv(13)
-    want = _one_token_runs(DocumentModel(nnef_kv.parse(GRAPH)).session(), feed)
-    s = DocumentModel(nnef_kv.parse(GRAPH)).session()
+    want = _one_token_runs(Model(nnef_kv.parse(GRAPH)).session(), feed)
+    s = Model(nnef_kv.parse(GRAPH)).session()
     got = s.run(feed, stepwise=True, token_symbol=token_symbol)["o"]
     assert got.shape == want.shape == (1, 4, 13, 16)
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)  # quantized past: 13 tokens, groups of 4
@@ -48,16 +48,16 @@ def test_float_inputs_sharing_one_symbol_run_stepwise_as_one_token_runs(token_sy
 
 
 def test_two_shared_symbols_need_token_symbol() -> None:
-    s = DocumentModel(nnef_kv.parse(TWO)).session()
+    s = Model(nnef_kv.parse(TWO)).session()
     feed = _qkv(6)
     with pytest.raises(nnef_kv.InputError, match=r"the inputs share the symbolic dims B, S; name it \(token_symbol="):
         s.run(feed, stepwise=True)
-    s2 = DocumentModel(nnef_kv.parse(TWO)).session()
+    s2 = Model(nnef_kv.parse(TWO)).session()
     want = _one_token_runs(s2, feed)
     np.testing.assert_allclose(s.run(feed, stepwise=True, token_symbol="S")["o"], want, rtol=1e-5, atol=1e-6)
 
 
 def test_an_unknown_token_symbol_is_refused_naming_the_symbols() -> None:
-    s = DocumentModel(nnef_kv.parse(GRAPH)).session()
+    s = Model(nnef_kv.parse(GRAPH)).session()
     with pytest.raises(nnef_kv.InputError, match=r"token_symbol='T' is no symbolic dim of the inputs \(S\)"):
         s.run(_qkv(3), stepwise=True, token_symbol="T")

@@ -8,7 +8,8 @@ import pytest
 import nnef_kv
 from nnef_kv.errors import InputError
 from nnef_kv.interpreter.plan import parallel
-from nnef_kv.interpreter.session import DocumentModel, Session
+from nnef_kv.interpreter.session import Session
+from nnef_kv.io.archive import Model
 
 TEXT = """version 1.0;
 graph g(x) -> (y)
@@ -20,9 +21,9 @@ graph g(x) -> (y)
 """
 
 
-def _model(k: int, n: int, seed: int = 0) -> tuple[DocumentModel, np.ndarray]:
+def _model(k: int, n: int, seed: int = 0) -> tuple[Model, np.ndarray]:
     w = np.random.default_rng(seed).standard_normal((1, n, k)).astype(np.float32)
-    return DocumentModel(nnef_kv.parse(TEXT.format(k=k, n=n)), {"w": w}), w
+    return Model(nnef_kv.parse(TEXT.format(k=k, n=n)), {"w": w}), w
 
 
 def _splits() -> int:

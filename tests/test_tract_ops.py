@@ -289,7 +289,7 @@ def test_every_case_op_is_registered() -> None:
 
 
 def test_dyn_kv_cache_state_protocol() -> None:
-    from nnef_kv.interpreter.registry import StatefulKernel
+    from nnef_kv.core.registry import StatefulKernel
 
     cache = tt.DynKvCache(name="k", axis=2, datum_type="f32", past_sequence_shape=[1, 2, "P", 4], input_sequence_shape=[1, 2, "S", 4])
     assert isinstance(cache, StatefulKernel)
@@ -335,7 +335,7 @@ def _conformance_cases() -> list[tuple[str, Callable[[dict], list[np.ndarray]], 
 
     def scatter_nd_block(d: dict) -> list[np.ndarray]:
         from conftest import CONFORMANCE
-        from nnef_kv.io.dat import read_tensor
+        from nnef_kv.tensors.dat import read_tensor
 
         idx = read_tensor(CONFORMANCE / "tract-harness/scatter-nd-block/indices.0.dat")
         return [tc.tract_core_scatter_nd(d["data"], idx, d["updates"], reduction="none")]
@@ -408,7 +408,7 @@ def test_sdpa_bool_mask_refused_like_tract(tmp_path) -> None:
 def test_scan_loop_reproduces_gru_epilogue_reference(shared_dir) -> None:
     """conformance tract-harness/gru-epilogue: a scan over time whose body is einsum + gru_epilogue."""
     from nnef_kv.interpreter.ops.tract_scan import ScanLoop, ScanSpec
-    from nnef_kv.io.dat import read_tensor
+    from nnef_kv.tensors.dat import read_tensor
 
     case = shared_dir / "conformance" / "tract-harness" / "gru-epilogue"
     ref = dict(np.load(case / "io.npz"))

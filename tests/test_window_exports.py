@@ -105,7 +105,7 @@ def test_ops_without_sink_logits_refuse_gpt_oss_sinks() -> None:
     from nnef_kv.converters.attention import find_attention
     from nnef_kv.converters.graph_edit import GraphEdit
     from nnef_kv.converters.passes import _check_scheme
-    from nnef_kv.kv.schemes import SCHEMES
+    from nnef_kv.converters.schemes import SCHEMES
 
     d = next(p for p in DIRS if p.name == "gptoss_window")
     model = nnef_kv.load(d / "model.nnef.tgz")

@@ -37,7 +37,7 @@ def add_parser(sub: Any) -> None:
     sp.add_argument("--weights", choices=["f32", "f16", "keep"], default=None,
                     help=".gguf input: f32 (default: dequantized as gguf.quants does), f16 (stored f16, computed f32) "
                          "or keep (Q4_0 / Q8_0 kept as tract blocks, other types dequantized)")
-    add_convert_arguments(sp)  # --scheme and the schemes' flags (nnef_kv.kv.schemes)
+    add_convert_arguments(sp)  # --scheme and the schemes' flags (nnef_kv.converters.schemes)
     g = sp.add_argument_group("--auto-bits: bits per layer (and per K and V) meeting a KL budget with the fewest KV "
                               "bytes, measured on a text (see nnef_kv/validate/autobits.py)")
     g.add_argument("--auto-bits", action="store_true", help="choose --layer-bits for --scheme (kivi, ggml, hf, "

@@ -4,7 +4,7 @@
     report = nnef_kv.converters.convert_file("in.nnef.tgz", "out.nnef.tgz", scheme="tract")
     model = nnef_kv.converters.onnx_to_nnef("decoder.onnx")   # then convert(model, ...)
 
-The schemes are :data:`nnef_kv.kv.schemes.SCHEMES`; the passes and the position-binding choice are
+The schemes are :data:`nnef_kv.converters.schemes.SCHEMES`; the passes and the position-binding choice are
 described in :mod:`.passes`; what a path may be (NNEF folder / archive / graph.nnef, ONNX) is
 :mod:`.frontends`.
 """

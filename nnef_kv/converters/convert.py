@@ -6,7 +6,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from ..kv.schemes import DEFAULT_SCHEME
+from .schemes import DEFAULT_SCHEME
 from ..errors import ConversionError
 from ..interpreter.catalog import ops_with
 from .graph_edit import GraphEdit
@@ -79,7 +79,7 @@ def _load(model_or_path: Any) -> Any:
 def convert(model_or_path: Any, scheme: str = DEFAULT_SCHEME, **scheme_options: Any) -> tuple[Any, ConversionReport]:
     """Convert a decoder (``Model``, or a path any front end reads: :mod:`.frontends`) to a quantized-KV model.
 
-    ``scheme`` names a :data:`nnef_kv.kv.schemes.SCHEMES` entry; the keywords are its options (an option left
+    ``scheme`` names a :data:`nnef_kv.converters.schemes.SCHEMES` entry; the keywords are its options (an option left
     out or None takes the scheme's default: kivi's are bits 4, key_group 32, value_group 32, residual 32,
     sinks 0, ...; :attr:`Scheme.options` lists each scheme's).
     Returns a new :class:`~nnef_kv.Model` (the input is not modified) and a :class:`ConversionReport`.

@@ -1,4 +1,4 @@
-"""Conversion options, their validation (done before any work, by the scheme: :mod:`nnef_kv.kv.schemes`)
+"""Conversion options, their validation (done before any work, by the scheme: :mod:`nnef_kv.converters.schemes`)
 and their command-line flags (declared by the schemes)."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import argparse
 from dataclasses import fields
 from typing import Any, Mapping, Sequence
 
-from ..kv import schemes as _schemes
+from . import schemes as _schemes
 
 
 class _SchemeNames(Sequence):
@@ -22,18 +22,18 @@ class _SchemeNames(Sequence):
         return repr(tuple(_schemes.SCHEMES))
 
 
-#: the scheme names (a live view of :data:`nnef_kv.kv.schemes.SCHEMES`)
+#: the scheme names (a live view of :data:`nnef_kv.converters.schemes.SCHEMES`)
 SCHEMES = _SchemeNames()
 
 
 class ConvertOptions:
     """What the attention/KV caches become (the public options type of :func:`~nnef_kv.converters.convert`).
 
-    ``scheme``: a name of :data:`nnef_kv.kv.schemes.SCHEMES`; the keywords: that scheme's options by name
+    ``scheme``: a name of :data:`nnef_kv.converters.schemes.SCHEMES`; the keywords: that scheme's options by name
     (its options dataclass says which, with their defaults, flags and help; kivi's: ``bits``, ``key_group``, ...).
     Nothing here is any one scheme's: an option left None is not given (the scheme's default); one the scheme
     does not take is refused by :meth:`validate`, the scheme's own check
-    (:meth:`nnef_kv.kv.schemes.Scheme.validate`). Immutable and hashable.
+    (:meth:`nnef_kv.converters.schemes.Scheme.validate`). Immutable and hashable.
     """
 
     __slots__ = ("scheme", "_given")

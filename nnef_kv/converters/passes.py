@@ -5,7 +5,7 @@ Order used by :func:`nnef_kv.converters.convert`:
 
 1. :class:`NormalizePass` -- one definition per name (see :meth:`GraphEdit.make_ssa`), document fragments
    holding an attention inlined;
-2. the scheme's rewrite (:data:`REWRITES`, keyed by :attr:`~nnef_kv.kv.schemes.Scheme.rewrite`):
+2. the scheme's rewrite (:data:`REWRITES`, keyed by :attr:`~nnef_kv.converters.schemes.Scheme.rewrite`):
    :class:`AttentionPass` (``"attention"``: schemes ``kivi``, ``tract``) -- every attention
    :func:`.attention.find_attention` recognises, over explicit caches (``concat([past_input, new], axis = 2)``:
    torch-to-nnef, nnef-tools' ONNX output; the past inputs and present outputs go, the caches move into the
@@ -19,7 +19,7 @@ Order used by :func:`nnef_kv.converters.convert`:
    from stateful cache nodes; the fused ops carry no sequence shape);
 5. :class:`CleanupPass` -- dead code, unused tensors, extensions.
 
-Schemes (what an attention with its caches becomes) are :class:`nnef_kv.kv.schemes.Scheme` objects: the
+Schemes (what an attention with its caches becomes) are :class:`nnef_kv.converters.schemes.Scheme` objects: the
 passes read the op, its attributes, what it can express and its notes from the scheme, never its name:
 
 * ``kivi``: ``nnef_kv_kivi_sdpa(q, k_new, v_new, ...)`` (nnef-kv's accurate op; causal mask built in);
@@ -37,7 +37,7 @@ from typing import Any
 from ..errors import ConversionError
 from ..grammar import ast as A
 from ..interpreter.catalog import extensions_for, ops_with
-from ..kv.schemes import SCHEMES, AttentionSite, CacheSite, Scheme
+from .schemes import SCHEMES, AttentionSite, CacheSite, Scheme
 from .attention import DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention
 from .caches import find_caches
 from .folded import rewrite as rewrite_folded
@@ -606,5 +606,5 @@ class CleanupPass:
         return rep
 
 
-#: the passes that rewrite a graph for a scheme, by :attr:`~nnef_kv.kv.schemes.Scheme.rewrite`
+#: the passes that rewrite a graph for a scheme, by :attr:`~nnef_kv.converters.schemes.Scheme.rewrite`
 REWRITES: dict[str, Any] = {"attention": AttentionPass, "cache": CachePass}

@@ -1,7 +1,7 @@
 """Fast path for graph bodies: the common statement shapes recognised by compiled regexes.
 
-Why: Lark's LALR loop costs several microseconds per token, so a 3.5 MB graph of 80,000 operations
-takes 10-30 s with Lark alone (machine load dependent); the Khronos C++ parser needs 1.1-1.8 s.
+Why: Lark's LALR loop costs several microseconds per token, too slow for graphs of tens of thousands of
+operations (the figures: docs/benchmarks.md, "Where the code's thresholds come from").
 Almost every statement of a real graph body has the shape ``lhs = op[<type>](args);`` with
 arguments that are identifiers, numbers, simple strings, flat arrays, named arguments or nested
 plain invocations, all on one line. Those are built here directly into the same AST nodes, with the same

@@ -20,12 +20,12 @@ from ..grammar.printer import expr_text
 from ..limits import Limits, current_limits
 from .attrs import BINARY_OPS, BUILTINS, UNARY_OPS, AttributeEvaluator
 from .graph import Graph, InputSpec, Node
-from .params import ParamInfo, _is_tensor_array, bind_arguments, param_info
+from ..core.params import ParamInfo, _is_tensor_array, bind_arguments, param_info
 from .nested import NestedMixin
 from .quant import QuantMixin
 from .sources import SOURCE_OPS, SourceMixin
 from .catalog import lookup
-from .registry import Primitive
+from ..core.registry import Primitive
 from .values import LRef, Lazy, TRef, _Ctx, literal_array, to_py
 
 BUILDER_OPS = SOURCE_OPS + ("tract_core_scan", "tract_core_submodel")

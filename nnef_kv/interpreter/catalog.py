@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-from .registry import PRIMITIVES, Primitive
+from ..core.registry import PRIMITIVES, Primitive
 
 __all__ = ["lookup", "PRIMITIVES", "ops_with", "ops_having", "extensions_for", "FAMILIES"]
 
@@ -48,7 +48,7 @@ def ops_with(**query: Any) -> frozenset[str]:
 
 def ops_having(fact: str) -> frozenset[str]:
     """Names of the registered ops declaring ``fact`` (a name of :data:`.registry.FACTS`)."""
-    from .registry import FACTS
+    from ..core.registry import FACTS
 
     if fact not in FACTS:
         raise KeyError(f"{fact!r} is not a fact an op can declare ({', '.join(FACTS)})")

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from .registry import Primitive
+from ..core.registry import Primitive
 
 __all__ = ["Node", "InputSpec", "Graph", "slots_of"]
 

@@ -12,8 +12,8 @@ from ..errors import GraphError
 from ..grammar import ast as A
 from ..grammar.printer import expr_text, short as _short
 from .graph import Graph, InputSpec
-from .params import ParamInfo, bind_arguments, param_info
-from .registry import Primitive
+from ..core.params import ParamInfo, bind_arguments, param_info
+from ..core.registry import Primitive
 from .values import Lazy, TRef, _Ctx
 
 
@@ -153,8 +153,8 @@ class NestedMixin:
             raise GraphError(where + str(exc)) from exc
         except Exception as exc:  # noqa: BLE001 - any loading failure is reported with the node
             raise GraphError(where + f"cannot load sub-model '{label}': {exc}") from exc
-        sub_graph = type(self)(sub.document, getattr(sub, "tensors", {}) or {}, getattr(sub, "quantization", None),
-                               f"{self.filename}: sub-model '{label}'", getattr(sub, "load_submodel", None)).build()
+        sub_graph = type(self)(sub.document, sub.tensors, sub.quantization,
+                               f"{self.filename}: sub-model '{label}'", sub.load_submodel).build()
         value = self.tensor_value(bound["input"], ctx, qual)
         values = value if isinstance(value, list) else [value]
         if len(values) != len(sub_graph.inputs):

@@ -11,7 +11,7 @@ import numpy as np
 from ..errors import GraphError
 from ..grammar import ast as A
 from ..grammar.printer import short as _short
-from .registry import Primitive
+from ..core.registry import Primitive
 from .values import Lazy, TRef, _Ctx, literal_array
 
 __all__ = ["QuantMixin"]

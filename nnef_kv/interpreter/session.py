@@ -11,36 +11,21 @@ import io
 import json
 import os
 import tarfile
-from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import numpy as np
 
 from ..atomic import atomic_write
 from ..errors import GraphError, InputError, NnefKvError, StateError, clip
-from ..grammar import ast as A
 from .graph import Node
 from .graph import slots_of as _slots_of
 from .plan import Plan, bind_inputs, execute, get_plan
 from .plan.parallel import BLAS, THREADS_ENV, check_threads, run_threads
 from .plan.steps import symbolic_attrs as _symbolic_attrs
-from .registry import NO_CHECKPOINT, KvState
+from ..core.registry import NO_CHECKPOINT, KvState
 
 STATE_FORMAT = "nnef-kv-session-state"
 STATE_MANIFEST = "state.json"
-
-
-@dataclass
-class DocumentModel:
-    """The least a session needs: a parsed document and its tensors (tests, in-memory graphs)."""
-
-    document: A.Document
-    tensors: dict[str, Any] = field(default_factory=dict)
-    quantization: Any = None
-    source: str | None = None
-
-    def session(self, state: Any = None, threads: int | None = None) -> "Session":
-        return Session(self, state=state, threads=threads)
 
 
 def _join(parts: list[Any], lens: list[int], what: str) -> Any:
@@ -322,7 +307,7 @@ class Session:
     # -- state persistence ---------------------------------------------------------------------
     def save_state(self, path: str | os.PathLike) -> None:
         """Write every state's tensors as ``.dat`` files in a tar archive, with a manifest naming the model."""
-        from ..io.dat import write_tensor
+        from ..tensors.dat import write_tensor
         from ..targets import path_arg
 
         path = path_arg(path, "session.save_state", "the path of the state file to write")
@@ -350,7 +335,7 @@ class Session:
 
     def load_state(self, path: str | os.PathLike) -> None:
         """Restore states written by :meth:`save_state`; a state of another model -> StateError."""
-        from ..io.dat import read_tensor
+        from ..tensors.dat import read_tensor
         from ..targets import kind_of, path_arg, resolve
 
         path = path_arg(path, "session.load_state", "the path of a state file written by save_state")

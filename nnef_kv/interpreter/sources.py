@@ -11,9 +11,9 @@ import numpy as np
 from ..errors import GraphError, LimitError
 from ..grammar import ast as A
 from ..grammar.printer import short as _short
-from ..io.blockquant import BlockQuantTensor
+from ..tensors.blockquant import BlockQuantTensor
 from .catalog import lookup, ops_having, ops_with
-from .dtypes import NNEF_TYPES, dtype_of
+from ..core.dtypes import NNEF_TYPES, dtype_of
 from .graph import InputSpec
 from .quant import _quant_params
 from .values import TRef, _Ctx, _is_int

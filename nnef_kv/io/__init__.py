@@ -1,9 +1,9 @@
-"""Bytes <-> tensors and archives.
+"""Archives: a model's files in and out (the floor above the interpreter, as tract-nnef is above tract-core).
 
-- ``dat``: the ``.dat`` tensor codec (:func:`~nnef_kv.io.dat.read_tensor`, :func:`~nnef_kv.io.dat.write_tensor`,
-  :class:`~nnef_kv.io.dat.DatInfo` for bit-exact rewrites);
-- ``blockquant``: tract's Q4_0 / Q8_1 block-quantized tensors (:class:`~nnef_kv.io.blockquant.BlockQuantTensor`);
 - ``container``: folders, tar and tgz files as safe, bounded lists of members, and reproducible writers;
-- ``archive``: the :class:`~nnef_kv.io.archive.Model` and :func:`~nnef_kv.io.archive.load` /
-  :func:`~nnef_kv.io.archive.save`.
+- ``archive``: the :class:`~nnef_kv.io.archive.Model` (the one model type: what the interpreter plans and
+  runs, ``model.session()``) and :func:`~nnef_kv.io.archive.load` / :func:`~nnef_kv.io.archive.save`;
+- ``npz``, ``sniff``: NumPy input files, and naming what a file is when it is not what was expected.
+
+A tensor's own bytes (the ``.dat`` codec, block-quantized tensors) are a floor lower, :mod:`nnef_kv.tensors`.
 """

@@ -12,7 +12,7 @@ member under ``x/`` when ``x/graph.nnef`` exists, the way tract groups them), re
 
 Saving writes ``nnef_kv.dump(model.document)`` (canonical text), so graph edits made by
 converters are what gets saved; :attr:`Model.text` keeps the text as read, for display and
-messages. Tensors keep the encoding they were read with (:class:`~nnef_kv.io.dat.DatInfo`) when it
+messages. Tensors keep the encoding they were read with (:class:`~nnef_kv.tensors.dat.DatInfo`) when it
 still fits the value, so an untouched tensor is written back byte for byte.
 """
 from __future__ import annotations
@@ -28,7 +28,7 @@ from ..grammar import ast
 from ..limits import Limits, current_limits
 from ..targets import kind_of, path_arg
 from .container import Buffer, Member, check_model_target, read_container, write_container
-from .dat import DatInfo, TensorValue, decode_tensor, encode_parts, info_fits
+from ..tensors.dat import DatInfo, TensorValue, decode_tensor, encode_parts, info_fits
 from .sniff import describe_file
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -45,7 +45,7 @@ class Model:
     """An NNEF model in memory.
 
     ``document``: the parsed ``graph.nnef``; ``tensors``: label -> array (or
-    :class:`~nnef_kv.io.blockquant.BlockQuantTensor`); ``quantization``: the parsed ``graph.quant``
+    :class:`~nnef_kv.tensors.blockquant.BlockQuantTensor`); ``quantization``: the parsed ``graph.quant``
     or None; ``source``: the path it was loaded from (for messages); ``text``/``quant_text``: the
     texts as read (None when built in code); ``resources``: other members, name -> bytes;
     ``tensor_info``: label -> the ``.dat`` encoding read (kept on save when it fits); ``limits``: the

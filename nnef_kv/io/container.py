@@ -31,7 +31,7 @@ from ..atomic import atomic_dir, atomic_write, default_mode  # noqa: F401 (defau
 from ..errors import ArchiveError, LimitError, OutputError
 from ..limits import Limits, current_limits
 from ..targets import check_file, check_folder, kind_of, resolve
-from .dat import HEADER_SIZE
+from ..tensors.dat import HEADER_SIZE
 
 GZIP_MAGIC = b"\x1f\x8b"
 TEXT_MEMBERS = ("graph.nnef", "graph.quant")
@@ -147,45 +147,6 @@ def _map_file(path: Path) -> Buffer:
         if st.st_size == 0:
             return b""
         return memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
-
-
-def _mapping_of(obj: object) -> mmap.mmap | None:
-    """The memory map a buffer (an array's base chain, memoryviews) ends in, or None."""
-    for _ in range(64):
-        if isinstance(obj, mmap.mmap):
-            return obj
-        nxt = getattr(obj, "base", None) if not isinstance(obj, memoryview) else obj.obj
-        if nxt is None or nxt is obj:
-            return None
-        obj = nxt
-    return None
-
-
-def release_pages(array: object) -> int:
-    """Drop this process's resident pages of a contiguous array memory-mapped read-only from a model file
-    (``madvise(MADV_DONTNEED)`` on the whole pages inside it): they no longer count in its RSS and are
-    read from the file again if the array is used. Returns the bytes released (0 for an array that is
-    not a file mapping, on a system without ``madvise``)."""
-    import numpy as np
-
-    if not isinstance(array, np.ndarray) or array.nbytes == 0 or not (array.flags.c_contiguous
-                                                                       or array.flags.f_contiguous):
-        return 0
-    mm = _mapping_of(array.base)
-    if mm is None or not hasattr(mm, "madvise") or not hasattr(mmap, "MADV_DONTNEED") or len(mm) == 0:
-        return 0
-    start = int(np.frombuffer(mm, np.uint8, count=1).ctypes.data)
-    lo = int(array.ctypes.data) - start
-    hi = lo + array.nbytes
-    if lo < 0 or hi > len(mm):
-        return 0
-    page = mmap.PAGESIZE
-    lo = -(-lo // page) * page
-    hi = hi // page * page
-    if hi <= lo:
-        return 0
-    mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
-    return hi - lo
 
 
 def _read_dir(root: Path, limits: Limits) -> list[Member]:
@@ -468,12 +429,11 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
 
 
 #: the zlib level a ``.tgz`` is written with when ISA-L's bindings (``isal``) are not installed. On f32
-#: weights every level gives about the same size (measured on 128 MiB of a random-weight SmolLM2-shaped
-#: archive: level 1 0.929 of the input, 6 and 9 0.926) and zlib is the slowest step of ``convert`` (about
-#: 7 MiB/s at level 6 here): ``python benchmarks/scale.py --gzip`` prints the levels' times and sizes
+#: weights every level gives about the same size and zlib is the slowest step of ``convert``: ``python
+#: benchmarks/scale.py --gzip`` prints the levels' times and sizes (docs/benchmarks.md)
 ZLIB_LEVEL = 1
-#: the level given to ``isal.igzip`` when installed (``pip install isal``): 15-20x zlib's speed here at
-#: the same size (0.925)
+#: the level given to ``isal.igzip`` when installed (``pip install isal``): many times zlib's speed at the
+#: same size (docs/benchmarks.md)
 ISAL_LEVEL = 1
 #: archives whose members total less than this are written as before (zlib level 6): the same bytes on every
 #: machine whatever is installed (the shipped sample, test fixtures), and speed does not matter at that size

@@ -6,7 +6,7 @@ import os
 import zipfile
 from pathlib import Path
 
-from .dat import MAGIC as DAT_MAGIC
+from ..tensors.dat import MAGIC as DAT_MAGIC
 
 HEAD_BYTES = 512
 

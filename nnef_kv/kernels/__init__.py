@@ -18,7 +18,7 @@ Kernels:
 
 * :mod:`nnef_kv.kernels.blockquant`: Q4_0 / Q8_1 weight products kept as blocks (``repack``,
   ``matvec``, ``matmul``; ``y = x @ W.T`` with ``W`` ``[N, K]`` as stored by tract).
-* :mod:`nnef_kv.kernels.kivi_attention`: the KIVI decode-step attention on packed codes
+* :mod:`nnef_kv.kv.kivi.kernels`: the KIVI decode-step attention on packed codes
   (``key_scores``, ``value_sum``, ``decode_attention``, ``attend``).
 """
 from __future__ import annotations

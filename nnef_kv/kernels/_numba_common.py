@@ -6,7 +6,7 @@
   in the tests); branch-free, so loops over it vectorise. It does not rely on subnormal f32
   arithmetic (subnormal halves are ``m * 2**-24``, a normal f32), so it is exact under FTZ/DAZ too.
 * :func:`half_bits_to_f32`: the same with LLVM's ``fpext half -> float`` (one ``vcvtph2ps`` with F16C,
-  4x faster in vector loops than :func:`h2f`); used when the host CPU has F16C (NaN payloads may come out
+  faster in vector loops than :func:`h2f`); used when the host CPU has F16C (NaN payloads may come out
   quieted, every other value is bit-identical: checked in the tests).
 * :func:`widen`: ``float32(x)`` for a float32 element, f16 -> f32 for a uint16 (f16 bits) element; the
   kernels take f16 arrays as uint16 views and f32 arrays as they are, one compiled version each.
@@ -16,14 +16,13 @@
 * :func:`exp_nonpositive`: ``exp(x)`` of a float32 ``x <= 0`` (a softmax numerator, the row max already
   subtracted), branch-free so that a loop over it vectorises: NumPy's ``exp`` is a call numba cannot
   make without the GIL, and LLVM's ``expf`` stays one scalar libm call an element. Within 1 ulp of
-  the exact value for ``-87 <= x <= 0`` (measured: 0.97 ulp at most over 3 million points, NumPy's own
-  float32 exp 2.37 ulp; checked against float64 in the tests), exactly 1 at 0, 0 below -87 (where the
+  the exact value for ``-87 <= x <= 0`` (checked against float64 in the tests), exactly 1 at 0, 0 below -87 (where the
   true value is under 1.7e-38), NaN for NaN.
 * :func:`wide_vectors`: called first in a core, marks the LLVM function being compiled with
   ``"prefer-vector-width"="512"`` when the host has AVX-512 (:data:`WIDE`): LLVM's default on these CPUs
   is 256-bit vectors (a tuning for the first AVX-512 parts, whose clock dropped with 512-bit work), and
-  the cores are bound by vector instruction throughput: 512-bit vectors make the KIVI cores 20-27%
-  faster on the 2-core machine (measured). A hint only (same ISA, same results up to the lane count of
+  the cores are bound by vector instruction throughput: 512-bit vectors make the KIVI cores faster
+  (docs/benchmarks.md, "Where the code's thresholds come from"). A hint only (same ISA, same results up to the lane count of
   the ``reassoc`` sums); not applied on Skylake-SP / Cascade Lake / Cooper Lake, or with
   ``NNEF_KV_NUMBA_WIDE=0`` at the first compilation (clear numba's cache, ``__pycache__/*.nbi|nbc``,
   after changing it). It goes through llvmlite's attribute printer (private API, its arguments passed
@@ -44,7 +43,7 @@ __all__ = ["bits_to_f32", "fetch_add", "exp_nonpositive", "h2f", "half_bits_to_f
 #: options of every core: cached on disk, releases the GIL, IEEE arithmetic (no fastmath), NumPy's
 #: error model (x / 0 gives Inf/NaN as in NumPy instead of raising)
 JIT = dict(cache=True, nogil=True, fastmath=False, error_model="numpy")
-#: options of the cores whose loops are dot products (see kivi_attention's module docstring): only
+#: options of the cores whose loops are dot products (see nnef_kv.kv.kivi.kernels's module docstring): only
 #: LLVM's ``reassoc`` flag (sums may be reordered, i.e. vectorised into lanes); not ``nnan``/``ninf``
 #: (NaN and Inf are kept), not ``contract`` (no FMA), not ``afn``/``arcp``.
 JIT_REASSOC = dict(cache=True, nogil=True, fastmath={"reassoc"}, error_model="numpy")

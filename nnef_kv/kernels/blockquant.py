@@ -44,16 +44,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..io.blockquant import BLOCK_LEN, BlockQuantTensor
+from ..tensors.blockquant import BLOCK_LEN, BlockQuantTensor
 from . import kernel
 
 __all__ = ["PackedWeights", "repack", "dequantize_t", "matvec", "matmul", "BLAS_ROWS"]
 
-#: above this many rows (per format) the numba side dequantizes blocks of W.T and calls BLAS on them:
-#: the measured crossover on the 2-core machine (benchmarks/kernels.py, 4096 x 4096, BLAS on one
-#: thread, against f32 ``x @ W.T``): Q4_0 rows kernel 0.28x / 0.42x / 0.66x / 1.03x at M = 2 / 4 / 8 /
-#: 16, blocks + BLAS 0.45x / 0.47x / 0.73x / 0.76x (0.88x at M = 64); Q8_1 rows 0.43x / 0.56x at
-#: M = 2 / 4, blocks + BLAS 0.45x / 0.47x
+#: above this many rows (per format) the numba side dequantizes blocks of W.T and calls BLAS on them: the
+#: measured crossover (benchmarks/kernels.py; the figures in docs/benchmarks.md, "Where the code's
+#: thresholds come from")
 BLAS_ROWS = {"Q4_0": 8, "Q8_1": 2}
 
 

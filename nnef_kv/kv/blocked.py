@@ -2,7 +2,7 @@
 
 Every exact attention path (``kv/exact.py`` ``sdpa_array``, the plan's fused attention chain in
 ``interpreter/plan/attention.py``, HF's quantized cache in ``kv/hf_quantized.py``, KIVI's online softmax in
-``kv/kivi_attend.py``) computes scores for all query rows at once while they fit in :data:`SCORE_BYTES`
+``kv/kivi/attend.py``) computes scores for all query rows at once while they fit in :data:`SCORE_BYTES`
 (the unchanged one-call arithmetic, bit for bit), and above it takes the queries in blocks of rows: each
 query row's scores, softmax and weighted sum are the same operations on the same operands, so a blocked
 call differs from the one-call result only by the summation order BLAS picks for a block (and, on a causal

@@ -19,7 +19,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from ..errors import GraphError, StateError
-from ..interpreter.coerce import as_float, norm_axis, parse_datum_type
+from ..core.coerce import as_float, norm_axis, parse_datum_type
 from . import blocked
 from .common import BufferCheckpoint, GrowBuffer, stepwise_loop
 

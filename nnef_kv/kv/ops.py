@@ -10,7 +10,7 @@ import re
 from pathlib import Path
 
 from ..errors import GraphError
-from ..interpreter.registry import stateful
+from ..core.registry import stateful
 from .ggml_sdpa import GgmlSdpa
 from .hf_quantized import HfQuantizedSdpa
 from .kivi import KiviSdpa

@@ -20,7 +20,7 @@ The graph follows what torch-to-nnef's LLM export writes (see ``shared/fixtures/
   ``[1, 1, hidden]``, the final norm on the last position only; no ``tract_assert``. The default spelling,
   ``"torch-to-nnef"``, is the exporter's chains of small ops described above.
 * ``weights="q4_0"`` (torch-to-nnef spelling): the linear weights (q/k/v/o, gate/up/down, LM head) as
-  tract Q4_0 blocks (:meth:`~nnef_kv.io.blockquant.BlockQuantTensor.quantize_q4_0`), declared
+  tract Q4_0 blocks (:meth:`~nnef_kv.tensors.blockquant.BlockQuantTensor.quantize_q4_0`), declared
   ``variable(label, shape)`` as ``--compression-method min_max_q4_0`` writes them; the embedding and the
   norms stay f32.
 
@@ -181,7 +181,7 @@ def build_decoder_weights(cfg: DecoderConfig) -> dict[str, np.ndarray]:
                 continue
             t[k] = v.reshape((1, 1, *v.shape) if k.endswith("norm.weight") else (1, *v.shape))
     if cfg.weights == "q4_0":
-        from ..io.blockquant import BlockQuantTensor
+        from ..tensors.blockquant import BlockQuantTensor
 
         for k in list(t):
             if k.endswith(_LINEAR_WEIGHTS):

@@ -74,7 +74,7 @@ class _Ladders(Mapping):
     """The registered schemes' ladders at their default options, by name (a live view: ``Scheme.ladder``)."""
 
     def _all(self) -> dict[str, tuple[Any, ...]]:
-        from ..kv.schemes import SCHEMES
+        from ..converters.schemes import SCHEMES
 
         return {n: s.levels() for n, s in SCHEMES.items() if s.levels()}
 
@@ -169,7 +169,7 @@ class AutoBitsResult:
 
     @property
     def layer_bits(self) -> str:
-        from ..kv.layer_bits import format_spec
+        from ..converters.layer_bits import format_spec
 
         return format_spec(self.chosen.setting) if self.chosen is not None else ""
 
@@ -182,7 +182,7 @@ class AutoBitsResult:
 
 def scheme_ladder(scheme: str, options: dict[str, Any]) -> tuple[tuple[Any, ...], bool]:
     """The scheme's ladder under ``options`` and whether keys and values take levels apart."""
-    from ..kv.schemes import SCHEMES, scheme as get
+    from ..converters.schemes import SCHEMES, scheme as get
 
     s = get(scheme)
     full = s.levels(options)
@@ -208,8 +208,8 @@ def pick_ladder(scheme: str, full: Sequence[Any], given: Sequence[Any]) -> tuple
 
 
 def _spec(scheme: str, options: dict[str, Any], setting: list[tuple[Any, Any]], label: str) -> SchemeSpec:
-    from ..kv.layer_bits import format_spec
-    from ..kv.schemes import scheme as get
+    from ..converters.layer_bits import format_spec
+    from ..converters.schemes import scheme as get
 
     dropped = set(get(scheme).level_fields) | {"layer_bits"}  # the options a --layer-bits entry stands for
     opts = {k: v for k, v in options.items() if k not in dropped}
@@ -219,7 +219,7 @@ def _spec(scheme: str, options: dict[str, Any], setting: list[tuple[Any, Any]], 
 
 def _layers(model: Any, scheme: str) -> int:
     from ..converters import convert
-    from ..kv.schemes import scheme as get
+    from ..converters.schemes import scheme as get
 
     conv, rep = convert(model, scheme=scheme)
     s = get(scheme)

@@ -81,7 +81,7 @@ def _summary(res: AutoBitsResult) -> list[str]:
 
 
 def _bits(c: Candidate) -> str:
-    from ..kv.layer_bits import format_spec
+    from ..converters.layer_bits import format_spec
 
     return format_spec(c.setting)
 

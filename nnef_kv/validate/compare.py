@@ -68,7 +68,7 @@ def parse_spec(text: str, flag: str = "--schemes") -> SchemeSpec:
     sets any option of the scheme by its ``convert`` name (``kivi:4+residual=64+key_axis=token``,
     ``hf:4+backend=hqq``; a ``;`` in a value is a comma: ``kivi+layer_bits=8;4/2;4``); an on/off option given
     bare is on (``q4_0+rotate``). Checked against the scheme's own rules (one line naming the entry)."""
-    from ..kv import schemes as S
+    from ..converters import schemes as S
 
     raw = text.strip()
     if not raw:
@@ -119,7 +119,7 @@ def _is_level(scheme: Any, text: str) -> bool:
 def _setting_options(scheme: Any, setting: str, raw: str, flag: str) -> dict[str, Any]:
     """``SETTING`` of ``NAME:SETTING`` (one level, or KEY/VALUE levels) -> the scheme's options giving it to every
     layer (``tract:8`` too: bits 8; the values are checked by the scheme with the other options)."""
-    from ..kv import schemes as S
+    from ..converters import schemes as S
 
     halves = setting.split("/")
     if len(halves) > 2:
@@ -314,7 +314,7 @@ def run_job(job: JobInput, spec: SchemeSpec, progress: Callable[[], None] | None
     from ..text import TokenSource
     from .runner import validate_model
 
-    from ..kv.schemes import SCHEMES
+    from ..converters.schemes import SCHEMES
 
     for plug in job.schemes:  # a worker process: the schemes registered where the job was made
         SCHEMES.setdefault(plug.name, plug)
@@ -402,7 +402,7 @@ def prepare(model: Any, source: Any, options: CompareOptions, label: str,
     plan = resolve_plan(vo, len(source.ids), max_positions(ref_dec.session), list(windows or []), names)
     starts = pick(list(plan.starts)) if pick else plan.starts
     runs = {c: _measure(ref_dec, source.ids, c, plan.eval_tokens, options.chunk, None, starts) for c in plan.contexts}
-    from ..kv.schemes import plugins
+    from ..converters.schemes import plugins
 
     job = JobInput(_portable(model), list(source.ids), source.description, options, plan.contexts, runs,
                    plan.eval_tokens, starts, plan, plugins())

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ..kv.schemes import SCHEMES
+from ..converters.schemes import SCHEMES
 from ..models import DecoderConfig, build_decoder
 from .runner import Measurement, ValidateOptions, ValidationReport, validate_model
 

@@ -306,7 +306,7 @@ def targets_of(ids: Sequence[int], starts: Sequence[int], n: int) -> list[int]:
 
 
 def _kv_op_settings(dec: InterpreterDecoder) -> list[dict[str, Any]]:
-    from ..kv.schemes import report_settings
+    from ..converters.schemes import report_settings
 
     out = []
     for node, st in dec.quantized_ops():

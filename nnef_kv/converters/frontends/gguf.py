@@ -377,7 +377,7 @@ def _tensor_value(g: GgufFile, t: GgufTensor, shape: tuple[int, ...], mode: str,
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
-    from ...io.blockquant import BLOCK_LEN, Q4_0_GGML, Q8_1_READ, BlockQuantTensor
+    from ...tensors.blockquant import BLOCK_LEN, Q4_0_GGML, Q8_1_READ, BlockQuantTensor
 
     kind = Q(t.type_code)
     # tract 0.23.9 runs Q4_0 blocks in products and gathers, Q8_1 in gathers only ("running pass codegen" on a

@@ -22,7 +22,7 @@ import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ...errors import GraphError
-from ..registry import Kernel, declare, primitive, source
+from ...core.registry import Kernel, declare, primitive, source
 
 T1 = "(x: tensor<scalar>) -> (y: tensor<scalar>)"
 T2 = "(x: tensor<scalar>, y: tensor<scalar>) -> (z: tensor<scalar>)"

@@ -17,8 +17,8 @@ from typing import Any, Sequence
 import numpy as np
 
 from ...errors import GraphError, InputError
-from ..registry import Kernel, declare, primitive, source
-from ..coerce import as_float, as_int, as_int_list, float_compute_dtype, norm_axis, parse_datum_type
+from ...core.registry import Kernel, declare, primitive, source
+from ...core.coerce import as_float, as_int, as_int_list, float_compute_dtype, norm_axis, parse_datum_type
 
 REG = "tract_core"
 

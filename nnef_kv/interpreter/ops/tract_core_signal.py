@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import GraphError
-from ..registry import primitive
-from ..coerce import as_int, float_compute_dtype, norm_axis
+from ...core.registry import primitive
+from ...core.coerce import as_int, float_compute_dtype, norm_axis
 
 REG = "tract_core"
 F32 = np.float32

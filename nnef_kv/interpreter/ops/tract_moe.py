@@ -27,8 +27,8 @@ from typing import Any
 import numpy as np
 
 from ...errors import GraphError
-from ..coerce import as_float, float_compute_dtype
-from ..registry import primitive
+from ...core.coerce import as_float, float_compute_dtype
+from ...core.registry import primitive
 
 REG = "tract_transformers"
 GATES = ("softmax_topk", "softmax_all", "sigmoid", "raw")

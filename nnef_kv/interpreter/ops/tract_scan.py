@@ -14,7 +14,7 @@ body fragment into a callable sub-graph) and hands them to :class:`ScanLoop`, wh
 * the hidden state persists across runs of the session unless ``reset_every_turn`` (tract's pulse
   semantics); ``skip`` iterations (counted across runs) produce nothing.
 
-``ScanLoop`` is a :class:`~nnef_kv.interpreter.registry.KvState` (the session's state interface), so a session can
+``ScanLoop`` is a :class:`~nnef_kv.core.registry.KvState` (the session's state interface), so a session can
 keep, reset, save and reload it like any stateful node. It is *not* registered as a primitive.
 """
 from __future__ import annotations
@@ -25,7 +25,7 @@ from typing import Callable, Mapping, Sequence
 import numpy as np
 
 from ...errors import GraphError, StateError
-from ..registry import KvState
+from ...core.registry import KvState
 
 Body = Callable[[dict[str, np.ndarray]], Mapping[str, np.ndarray]]
 

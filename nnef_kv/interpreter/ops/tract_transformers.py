@@ -18,9 +18,9 @@ from typing import Any
 import numpy as np
 
 from ...errors import GraphError
-from ..registry import Kernel, primitive, stateful
+from ...core.registry import Kernel, primitive, stateful
 from ...kv.exact import DynKvCache, WindowKvSdpa, causal_mask, sdpa_array
-from ..coerce import as_float, float_compute_dtype, parse_datum_type
+from ...core.coerce import as_float, float_compute_dtype, parse_datum_type
 
 REG = "tract_transformers"
 

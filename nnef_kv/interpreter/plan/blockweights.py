@@ -1,6 +1,6 @@
 """Q4_0 / Q8_1 weights kept as blocks: the products run on them, nothing is dequantized at session creation.
 
-A block-quantized ``variable`` is a :class:`~nnef_kv.io.blockquant.BlockQuantTensor` constant in the graph
+A block-quantized ``variable`` is a :class:`~nnef_kv.tensors.blockquant.BlockQuantTensor` constant in the graph
 (4.5 / 8.5 bits a weight, as in the file). The planner then:
 
 * **folds** shape-only ops on it (``unsqueeze`` / ``reshape`` / ``squeeze`` keeping the blocked last axis,
@@ -27,7 +27,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...io.blockquant import BLOCK_LEN, BlockQuantTensor
+from ...tensors.blockquant import BLOCK_LEN, BlockQuantTensor
 from ..catalog import ops_having
 from ..graph import Node, slots_of
 from ..values import Lazy
@@ -80,9 +80,9 @@ def _leading_units(t: BlockQuantTensor) -> bool:
 
 def rewrite_block_product(node: Node, base: list[Any], consts: set[int]) -> tuple[Callable, list[Any], dict] | None:
     """``linear`` / ``matmul(transposeB)`` by a constant block weight -> a :class:`BlockLinear` step. Not
-    without the numba kernels: their NumPy reference dequantizes the weight at every call (0.14x tract's
-    decode on the Q4_0 benchmark decoder); the weight is then dequantized once (:func:`materialize`, the
-    reference's bits at 0.78x tract's speed there, the f32 weights' memory). numba is looked for, not
+    without the numba kernels: their NumPy reference dequantizes the weight at every call (several times
+    slower than tract, docs/benchmarks.md); the weight is then dequantized once (:func:`materialize`, the
+    reference's bits, the f32 weights' memory). numba is looked for, not
     imported (:func:`~nnef_kv.kernels.numba_installed`): it loads with the first product."""
     from ...kernels import numba_installed
 

@@ -1,33 +1,48 @@
 """A model's plan: its graph built (document, tensors, graph.quant, sub-models through the model's
-``load_submodel``) under the model's limits, then planned; cached on the model object."""
+``load_submodel``) under the model's limits, then planned; cached on the model object.
+
+The model is :class:`nnef_kv.io.archive.Model`, the one model type; the archives are a floor above the
+interpreter, so what the planner reads of it is declared here (:class:`PlannedModel`)."""
 from __future__ import annotations
 
 import hashlib
-from typing import Any
+from typing import Any, Mapping, Protocol
 
 from ...errors import GraphError, LimitError, NnefKvError
+from ...grammar import ast
 from ...grammar.printer import expr_text
-from ...limits import current_limits, using_limits
+from ...limits import Limits, using_limits
 from ..builder import GraphBuilder
 from .core import Plan, build_plan
 
-__all__ = ["get_plan"]
+__all__ = ["get_plan", "PlannedModel"]
 
 
-def get_plan(model: Any) -> Plan:
+class PlannedModel(Protocol):
+    """What the planner and the session read of a model (:class:`nnef_kv.io.archive.Model` has it all)."""
+
+    document: ast.Document
+    tensors: Mapping[str, Any]
+    quantization: ast.QuantDocument | None
+    source: str | None
+    limits: Limits
+
+    def load_submodel(self, label: str) -> "PlannedModel": ...
+
+
+def get_plan(model: PlannedModel) -> Plan:
     """The model's plan, built on first use and cached on the model object (rebuilt if its document changed)."""
     cached = getattr(model, "__dict__", {}).get("_nnef_kv_plan")
     if cached is not None and cached[0] is model.document:
         return cached[1]
-    source = getattr(model, "source", None)
+    source = model.source
     filename = f"{source}/graph.nnef" if source else "graph.nnef"
-    limits = getattr(model, "limits", None) or current_limits()
+    limits = model.limits
     builder: GraphBuilder | None = None
     try:
         with using_limits(limits):  # the model's limits (given to load) bound the build, sub-models included
-            builder = GraphBuilder(model.document, getattr(model, "tensors", {}) or {},
-                                   getattr(model, "quantization", None), filename,
-                                   getattr(model, "load_submodel", None))
+            builder = GraphBuilder(model.document, model.tensors, model.quantization, filename,
+                                   model.load_submodel)
             plan = build_plan(builder.build())
     except NnefKvError:
         raise

@@ -39,7 +39,7 @@ import numpy as np
 
 from ...errors import GraphError, NnefKvError
 from ..graph import Graph, InputSpec, Node, slots_of as _slots_of
-from ..registry import Primitive
+from ...core.registry import Primitive
 from ..values import Lazy
 from . import blockweights as B
 from . import fuse as F

@@ -21,18 +21,15 @@ its ``threads`` and the machine's load.
 (:data:`BLAS`, through threadpoolctl) whatever the session's ``threads``, and the session's own
 threads are the only second thread: a product is split only when it is large enough
 (:func:`split_worth`: weight >= ``MIN_SPLIT_BYTES`` and rows x inputs x outputs >= ``MIN_SPLIT_WORK``),
-else it runs on the calling thread. The reason, measured on the 2-core VM (SmolLM2-135M-shaped f32
-decoder, explicit caches; ``python benchmarks/scale.py`` prints the rows):
-OpenBLAS on two threads hands half of each product to a worker and *waits* for it; with another
-process on the other core that worker is descheduled for a time slice, and a 1 x 576 x 1536 product
-took 8.0 ms instead of 0.12 ms (743 ms a token instead of 74.5 ms). The claimed helper here never
-waits on a worker that is not running. :func:`default_threads` (what ``Session(threads=None)`` and the
+else it runs on the calling thread. The reason (``python benchmarks/scale.py`` prints the rows; the
+figures in docs/benchmarks.md, "At real size"): OpenBLAS on two threads hands half of each product to
+a worker and *waits* for it; with another process on the other core that worker is descheduled for a
+time slice, and a small product takes a time slice instead of a tenth of a millisecond. The claimed
+helper here never waits on a worker that is not running. :func:`default_threads` (what ``Session(threads=None)`` and the
 CLI's default use) is the usable CPUs, capped at the two halves this splitter makes; a session left at
 that default also runs on one thread while other processes hold the second CPU (:class:`LoadWatch`:
-the load average less its own use), since the claimed helper then mostly comes late: ``python
-benchmarks/scale.py`` at load average 12-17 from other work, every setting paired in one lockstep, took
-the helper's half back on 76 of 90 splits and threads=2 gave 0.96x of threads=1's tokens/s (0.68-0.71x
-in unpaired runs at load ~10), the default (on one thread there) 1.00x.
+the load average less its own use), since the claimed helper then mostly comes late (measured under load by ``python
+benchmarks/scale.py``; docs/benchmarks.md, "Where the code's thresholds come from").
 """
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Callable, Mapping
 
 from ..catalog import PRIMITIVES, lookup
-from ..registry import Kernel, Primitive
+from ...core.registry import Kernel, Primitive
 
 
 class _Specializers(Mapping):

@@ -4,7 +4,7 @@ the transposition: no copy, so a memory-mapped weight stays one array, read from
 used, and a tied embedding read by a gather and the LM head is one array); products of one input by
 several constant weights (q/k/v, gate/up) become one product by the weights side by side (one new
 ``[in, out]`` array; the pages of memory-mapped originals are then released, see
-:func:`nnef_kv.io.container.release_pages`).
+:func:`nnef_kv.tensors.pages.release_pages`).
 
 Measured (``python benchmarks/scale.py --rows products``, BLAS on one thread, best of N, 2-core VM at load
 average ~11): view / copy 1.02 (1 x 576 x 1536), 1.01 (1 x 1536 x 576), 1.17 (1 x 576 x 49152; 0.84-0.90
@@ -16,7 +16,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...io.container import release_pages
+from ...tensors.pages import release_pages
 from ..graph import Node
 from .parallel import split_matmul
 from .steps import Step, has_lazy as _has_lazy, replace_steps

@@ -16,7 +16,7 @@ from ..errors import GraphError
 def parse_datum_type(name: str, *, where: str = "") -> np.dtype:
     """The NumPy dtype of a tract datum-type name (``"f32"``, ``"F32"``, ``"I64"``, ``"TDim"``, ...).
 
-    Delegates to :func:`nnef_kv.interpreter.dtypes.dtype_of` (one table for the whole package)."""
+    Delegates to :func:`nnef_kv.core.dtypes.dtype_of` (one table for the whole package)."""
     hit = _DTYPES.get(name) if isinstance(name, str) else None
     if hit is not None:
         return hit

@@ -1,7 +1,7 @@
 """Attention on the packed KIVI codes (the read side of :class:`~.kivi.KiviSdpa`, a mixin).
 
 The quantized part is read block by block (a multiple of ``key_group`` tokens per block) into one reusable
-f32 code buffer (or by the numba kernel of :mod:`nnef_kv.kernels.kivi_attention` for one-token calls); the
+f32 code buffer (or by the numba kernel of :mod:`nnef_kv.kv.kivi.kernels` for one-token calls); the
 key step and min are folded into the query (``q.k = sum(q*step*code) + sum(q*min)``) and the value step
 and min into the probabilities. Decode takes two passes over the blocks (scores, one exact softmax,
 values); long prefill chunks merge the blocks with an online softmax (``score_budget`` picks); stepwise
@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import blocked
-from .common import GrowBuffer, causal_keep, f16_to_f32, sink_rows, softmax_numerators
-from .kivi_parts import View, as32, finite_part
+from .. import blocked
+from ..common import GrowBuffer, causal_keep, f16_to_f32, sink_rows, softmax_numerators
+from .parts import View, as32, finite_part
 
 __all__ = ["KiviAttention", "KERNEL_WORK", "KERNEL_WIDTH"]
 
@@ -41,7 +41,7 @@ class KiviAttention:
             view = self._current_view()
         n = q.shape[0]
         if self._on_kernels(q.shape[1], view):
-            from ..kernels.kivi_attention import decode_attention_rows
+            from .kernels import decode_attention_rows
 
             c = self.cfg
             sk, sv = self._rows(view.sink_k, self.sink_k), self._rows(view.sink_v, self.sink_v)
@@ -80,10 +80,10 @@ class KiviAttention:
                     and self._kernel_ok(m, view))
 
     def _kernel_ok(self, m: int, view: View) -> bool:
-        """The numba decode kernels (:mod:`nnef_kv.kernels.kivi_attention`) compute this call's attention:
+        """The numba decode kernels (:mod:`nnef_kv.kv.kivi.kernels`) compute this call's attention:
         numba is there (``NNEF_KV_NO_NUMBA`` unset), no outliers in the side table, no softcap, window or sink
         logits, codes in the byte or token-planar layout, a score matrix the two-pass path would take."""
-        from ..kernels import numba_available
+        from ...kernels import numba_available
 
         return (not self.cfg.softcap and not self.cfg.window and not self.cfg.sink_logits
                 and not len(self.k_out) and not len(self.v_out) and self.codec.layout in ("bytes", "token_planar")
@@ -233,7 +233,7 @@ class KiviAttention:
 
     def _param32(self, buf: GrowBuffer, hs: slice, count: int | None = None) -> np.ndarray:
         """Stored group params of heads ``hs`` (the first ``count`` entries) as f32: a view for f32
-        params, a fresh exact conversion for f16 ones (:func:`f16_to_f32`, ~4x faster than NumPy's cast)."""
+        params, a fresh exact conversion for f16 ones (:func:`f16_to_f32`, faster than NumPy's cast)."""
         a = buf.view(0, count)[hs]
         return a if a.dtype == np.float32 else f16_to_f32(a)
 

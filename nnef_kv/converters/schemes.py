@@ -25,10 +25,10 @@ from typing import Any, Callable, Iterable, Mapping
 
 from ..errors import ConversionError
 from . import layer_bits as LB
-from .ggml_sdpa import CACHE_TYPES
-from .kivi import kivi_problem
-from .rotated import rotated_problem
-from .settings import IntSetting, Problem, first_problem
+from ..kv.ggml_sdpa import CACHE_TYPES
+from ..kv.kivi import kivi_problem
+from ..kv.rotated import rotated_problem
+from ..kv.settings import IntSetting, Problem, first_problem
 
 __all__ = ["Scheme", "SCHEMES", "BUILTIN", "register", "plugins",
            "DEFAULT_SCHEME", "AttentionSite", "CacheSite", "OptionSpec", "option", "scheme",

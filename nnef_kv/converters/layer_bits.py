@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from .settings import Problem
+from ..kv.settings import Problem
 
 __all__ = ["LayerSpec", "parse", "entry_for", "count_problem", "format_spec"]
 

@@ -6,9 +6,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import GraphError
-from .common import check_sink_logits
-from .settings import IntSetting, Problem, first_problem
+from ...errors import GraphError
+from ..common import check_sink_logits
+from ..settings import IntSetting, Problem, first_problem
 
 __all__ = ["CODES_LAYOUT", "KIVI_SETTINGS", "KiviConfig", "hadamard", "kivi_problem"]
 

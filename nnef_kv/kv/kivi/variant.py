@@ -1,15 +1,15 @@
 """Attention of a KIVI variant (keys and values of different widths, or per-token keys): the quantized part
 dequantized once per call (:meth:`~.kivi.KiviSdpa._dequantized_quant`, side-table values back at their
 exact values), then exact softmax attention in f32 over ``[sinks | quantized | window and the call's
-tokens]`` -- the same readings as the packed-code path of :mod:`.kivi_attend`, which assumes one codec
-and per-channel keys. Stepwise runs use :meth:`~.kivi_attend.KiviAttention._attend_stepwise`, which
+tokens]`` -- the same readings as the packed-code path of :mod:`.attend`, which assumes one codec
+and per-channel keys. Stepwise runs use :meth:`~.attend.KiviAttention._attend_stepwise`, which
 already reads dequantized codes."""
 from __future__ import annotations
 
 import numpy as np
 
-from .common import causal_keep, softmax_numerators
-from .kivi_parts import View, as32, finite_part
+from ..common import causal_keep, softmax_numerators
+from .parts import View, as32, finite_part
 
 __all__ = ["KiviDequantizedAttention"]
 

@@ -1,4 +1,4 @@
-"""numba side of :mod:`nnef_kv.kernels.kivi_attention` (imported on first use; see that module for the
+"""numba side of :mod:`nnef_kv.kv.kivi.kernels` (imported on first use; see that module for the
 layout, the loops and why the key core alone has ``fastmath={"reassoc"}``)."""
 from __future__ import annotations
 
@@ -11,10 +11,10 @@ from typing import Any, Callable
 import numpy as np
 from numba import njit, prange
 
-from ._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, exp_nonpositive, fetch_add, wide_vectors, widen
-from ..kv.common import causal_keep, softmax_numerators
-from .kivi_attention import _check_codec, cache_arrays, unsupported_reason
-from .kivi_attention import attend as _attend_kernel
+from ...kernels._numba_common import JIT, JIT_REASSOC, as_f32_or_u16, exp_nonpositive, fetch_add, wide_vectors, widen
+from ..common import causal_keep, softmax_numerators
+from .kernels import _check_codec, cache_arrays, unsupported_reason
+from .kernels import attend as _attend_kernel
 
 __all__ = ["key_scores", "value_sum", "decode_attention", "attend", "PARALLEL"]
 
@@ -40,11 +40,9 @@ def _prange_is_safe() -> bool:
 #: how ``threads > 1`` splits the kv heads: "pool" (the calling thread and pool threads claim heads one
 #: at a time from an atomic counter inside one nogil call each; a head no helper has claimed when the
 #: caller runs out is the caller's, so a descheduled helper costs at most the head it holds) or "prange" (numba
-#: ``parallel=True`` loops over the heads, OpenMP or TBB). Measured on the shared 2-vCPU machine
-#: (benchmarks/kernels.py, 4 bits): with the other core busy, prange's spinning OpenMP workers made a
-#: step 10-27x slower than one thread (T = 2048) where the claiming pool stays near one thread's time;
-#: on a quiet machine prange was 0.58-0.61x of one thread and a static pool 0.72-0.76x. Default:
-#: the pool; ``NNEF_KV_KIVI_PARALLEL=prange`` selects prange (when the threading layer is thread-safe).
+#: ``parallel=True`` loops over the heads, OpenMP or TBB). With the other core busy, prange's
+#: spinning OpenMP workers make a step many times slower than one thread, where the claiming pool stays
+#: near one thread's time (benchmarks/kernels.py; docs/benchmarks.md). Default: the pool; ``NNEF_KV_KIVI_PARALLEL=prange`` selects prange (when the threading layer is thread-safe).
 PARALLEL = "prange" if os.environ.get("NNEF_KV_KIVI_PARALLEL", "").strip() == "prange" and _prange_is_safe() \
     else "pool"
 
@@ -642,7 +640,7 @@ def _key_scores_into(q, codes, kmin, kstep, bits, kg, s, off, threads):
 
 def key_scores(q: np.ndarray, k_codes: np.ndarray, k_min: np.ndarray, k_step: np.ndarray, bits: int,
                key_group: int, out: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
-    """numba side of :func:`nnef_kv.kernels.kivi_attention.key_scores`."""
+    """numba side of :func:`nnef_kv.kv.kivi.kernels.key_scores`."""
     q, codes, bits, kg = _check_key_args(q, k_codes, bits, key_group)
     n, m, _ = q.shape
     tq = codes.shape[1]
@@ -664,7 +662,7 @@ def key_scores(q: np.ndarray, k_codes: np.ndarray, k_min: np.ndarray, k_step: np
 
 def value_sum(p: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray, v_step: np.ndarray, bits: int,
               key_group: int, value_group: int, threads: int = 1) -> np.ndarray:
-    """numba side of :func:`nnef_kv.kernels.kivi_attention.value_sum`."""
+    """numba side of :func:`nnef_kv.kv.kivi.kernels.value_sum`."""
     p = np.asarray(p, dtype=np.float32)
     bits, kg = int(bits), int(key_group)
     codes = np.asarray(v_codes)
@@ -703,7 +701,7 @@ def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_co
                      v_step: np.ndarray, res_k: np.ndarray, res_v: np.ndarray, *, scale: float, bits: int,
                      key_group: int, value_group: int, sq: int = 1, is_causal: bool = True,
                      threads: int = 1) -> np.ndarray:
-    """numba side of :func:`nnef_kv.kernels.kivi_attention.decode_attention`.
+    """numba side of :func:`nnef_kv.kv.kivi.kernels.decode_attention`.
 
     A kv head is one nogil numba call (scores, softmax, outputs: :func:`_fused_head`); ``threads > 1``
     splits the heads over the calling thread and pool threads that claim them from an atomic counter,
@@ -733,7 +731,7 @@ def decode_attention_rows(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray,
                           v_step: np.ndarray, tq: int, res_k: np.ndarray, res_v: np.ndarray, nr: int, *,
                           scale: float, bits: int, key_group: int, value_group: int, sq: int = 1,
                           is_causal: bool = True, threads: int = 1) -> np.ndarray:
-    """numba side of :func:`nnef_kv.kernels.kivi_attention.decode_attention_rows`: the arrays are
+    """numba side of :func:`nnef_kv.kv.kivi.kernels.decode_attention_rows`: the arrays are
     C-contiguous and their first ``ns`` / ``tq`` / ``nr`` rows are read (a KV cache's buffers as they are,
     spare capacity after them), so no view needs resolving; the cores and the softmax are
     :func:`decode_attention`'s."""
@@ -819,7 +817,7 @@ def _decode_numpy_softmax(qs, sk, sv, ns, kcodes, kmin, kstep, vcodes, vmin, vst
 
 
 def attend(sdpa: Any, q: np.ndarray, sq: int = 1, threads: int | None = None) -> np.ndarray:
-    """numba side of :func:`nnef_kv.kernels.kivi_attention.attend`."""
+    """numba side of :func:`nnef_kv.kv.kivi.kernels.attend`."""
     q = np.asarray(q, dtype=np.float32)
     if unsupported_reason(sdpa, q.shape[1]) is not None:
         return _attend_kernel.reference(sdpa, q, sq, threads)

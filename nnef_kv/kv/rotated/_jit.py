@@ -1,10 +1,10 @@
-"""numba side of :mod:`nnef_kv.kernels.rotated_attention` (imported on first use; see that module)."""
+"""numba side of :mod:`nnef_kv.kv.rotated.kernels` (imported on first use; see that module)."""
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
 
-from ._numba_common import JIT
+from ...kernels._numba_common import JIT
 
 __all__ = ["code_scores", "code_values"]
 

@@ -25,9 +25,9 @@ Storage, per (batch, kv head), in sequence order::
   keys and the values their own widths; ``key_axis = "token"`` quantizes keys per token like values
   (one ``(min, step)`` per group of ``value_group`` channels of each token) instead of per channel. The
   tokens still move out of the window ``key_group`` at a time. A variant's attention reads the
-  dequantized codes (:mod:`.kivi_variant`), the same readings as the packed-code path.
+  dequantized codes (:mod:`.variant`), the same readings as the packed-code path.
 
-Attention (:mod:`.kivi_attend`) never builds the f32 cache: the quantized part is read block by block (a multiple of
+Attention (:mod:`.attend`) never builds the f32 cache: the quantized part is read block by block (a multiple of
 ``key_group`` tokens per block) into one reusable f32 code buffer; the key step and min are folded
 into the query (``q.k = sum(q*step*code) + sum(q*min)``) and the value step and min into the
 probabilities. Decode (a small ``[heads, rows, T]`` score matrix) takes two passes over the blocks
@@ -39,7 +39,7 @@ Codes are stored with :class:`~nnef_kv.kv.packing.GroupCodec`: inside each group
 tokens the 1/2/4-bit codes are packed across tokens (and 3/5/6/7 bits split into such fields), so
 unpacking a block is a few whole-array ANDs straight into the f32 buffer; bit field ``k`` comes out
 times ``2**(k*w)`` and the exact power-of-two factor is folded into the key scores / value weights.
-f16 params are widened with :func:`~nnef_kv.kv.common.f16_to_f32` (exact, ~4x NumPy's cast).
+f16 params are widened with :func:`~nnef_kv.kv.common.f16_to_f32` (exact, faster than NumPy's cast).
 """
 from __future__ import annotations
 
@@ -48,14 +48,14 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import GraphError, InputError, StateError
-from .common import (BufferCheckpoint, GrowBuffer, evict_page, evicted_tokens, expect_config_and_shape, expect_state,
+from ...errors import GraphError, InputError, StateError
+from ..common import (BufferCheckpoint, GrowBuffer, evict_page, evicted_tokens, expect_config_and_shape, expect_state,
                      start_call)
-from .kivi_attend import KiviAttention
-from .kivi_config import CODES_LAYOUT, KIVI_SETTINGS, KiviConfig, hadamard, kivi_problem
-from .kivi_parts import Outliers, View, rotate
-from .kivi_variant import KiviDequantizedAttention
-from .packing import GroupCodec
+from .attend import KiviAttention
+from .config import CODES_LAYOUT, KIVI_SETTINGS, KiviConfig, hadamard, kivi_problem
+from .parts import Outliers, View, rotate
+from .variant import KiviDequantizedAttention
+from ..packing import GroupCodec
 
 __all__ = ["KiviConfig", "KiviSdpa", "hadamard", "kivi_problem", "KIVI_SETTINGS", "CODES_LAYOUT"]
 

@@ -5,10 +5,10 @@ Storage, per (batch, kv head), in sequence order::
     [ sinks (f32/f16, forever) | coded tokens (packed codes + one f16 norm a vector) | window (f32/f16) ]
 
 * Every key and every value vector ``x`` (``D`` values of one head and token) is rotated by the op's fixed
-  orthogonal matrix ``R`` (:func:`nnef_kv.kv.codebooks.rotation`: a random-sign Hadamard for a power-of-two
+  orthogonal matrix ``R`` (:func:`nnef_kv.kv.rotated.codebooks.rotation`: a random-sign Hadamard for a power-of-two
   ``D``, else a random orthogonal matrix, both from ``seed``; the same ``R`` for every head of the op),
   normalised, and each coordinate of ``u = x R / |x|`` is coded against the Lloyd-Max codebook of the
-  exact coordinate marginal of a unit vector in ``D`` dimensions (:func:`nnef_kv.kv.codebooks.codebook`:
+  exact coordinate marginal of a unit vector in ``D`` dimensions (:func:`nnef_kv.kv.rotated.codebooks.codebook`:
   ``key_bits`` for keys, ``value_bits`` for values, 1..4 each, 0 = ``bits``; ``value_bits = 32``: values kept
   exactly in f32, the keys alone coded, as published keys-only figures measure). The norm ``|x|`` is stored
   in f16 (nearest), the codes packed with :class:`~nnef_kv.kv.packing.RowCodec` (planar for 1, 2 and 4
@@ -26,7 +26,7 @@ Storage, per (batch, kv head), in sequence order::
   makes that token's score NaN (every output row seeing it NaN, as exact attention), a NaN value makes the
   outputs of the rows that see it NaN; a row that does not see the token is unaffected.
 
-**Attention straight from the codes** (:mod:`nnef_kv.kernels.rotated_attention`): the queries are rotated
+**Attention straight from the codes** (:mod:`nnef_kv.kv.rotated.kernels`): the queries are rotated
 once per call, ``q~ = q R``; the score of a coded token is ``scale * norm_t * sum_j q~_j c[code_tj]`` (a
 table lookup); the coded values are accumulated in the rotated basis, ``sum_t p_t norm_t c[code_t]``, and
 rotated back once (``@ R.T``); sinks and window are read exactly in the original basis; one softmax over all
@@ -42,13 +42,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import GraphError, InputError, StateError
-from ..kernels import rotated_attention as RA
+from ...errors import GraphError, InputError, StateError
+from . import kernels as RA
 from .codebooks import MAX_BITS, boundaries, codebook, rotation
-from .common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, f16_to_f32, start_call
-from .kivi_parts import rotate
-from .packing import RowCodec
-from .settings import IntSetting, Problem, first_problem
+from ..common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, f16_to_f32, start_call
+from ..kivi.parts import rotate
+from ..packing import RowCodec
+from ..settings import IntSetting, Problem, first_problem
 
 __all__ = ["RotatedConfig", "RotatedSdpa", "ROTATED_SETTINGS", "rotated_problem"]
 

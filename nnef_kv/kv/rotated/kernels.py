@@ -10,7 +10,7 @@ codes of coordinates ``j, j + m, j + 2m, ...`` in its bit fields, ``m`` = bytes 
 * :func:`code_values` ``(w [n, M, T], codes, cb, bits, d) -> [n, M, D]``: ``sum_t w_t cb[code_t]``, the
   coded values accumulated in the rotated basis (``w`` = softmax weight x norm).
 
-numba (``_rotated_jit``), planar layouts: for each query row a table ``L[j, b]`` = the contribution of byte
+numba (``_jit``), planar layouts: for each query row a table ``L[j, b]`` = the contribution of byte
 value ``b`` at byte ``j`` (``sum_k qr[j + k m] cb[field_k(b)]``, 256 entries a byte) is built once, and a token's
 score is ``m`` lookups and adds; the values use the transpose of that idea, a weight histogram ``H[j, b] += w_t``
 (``m`` adds a token), turned into the ``D`` outputs once at the end. 3 bits: each token's codebook row
@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..kv.packing import RowCodec
-from . import kernel
+from ..packing import RowCodec
+from ...kernels import kernel
 
 __all__ = ["code_scores", "code_values", "decode"]
 
@@ -32,7 +32,7 @@ def decode(codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
     return np.asarray(cb, np.float32)[RowCodec(bits, d).unpack(codes)]
 
 
-@kernel("nnef_kv.kernels._rotated_jit:code_scores")
+@kernel("nnef_kv.kv.rotated._jit:code_scores")
 def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.ndarray, bits: int, d: int
                 ) -> np.ndarray:
     """``[n, M, T]`` f32: ``norms[n, t] * sum_j qr[n, m, j] * cb[codes[n, t, j]]`` (reference: the codes
@@ -44,7 +44,7 @@ def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.nda
     return s
 
 
-@kernel("nnef_kv.kernels._rotated_jit:code_values")
+@kernel("nnef_kv.kv.rotated._jit:code_values")
 def code_values(w: np.ndarray, codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
     """``[n, M, D]`` f32: ``sum_t w[n, m, t] * cb[codes[n, t, :]]`` (reference: decoded, a matmul)."""
     dec = decode(codes, cb, bits, d)

@@ -25,8 +25,8 @@ residual window in full precision and, between them, ``Tq`` quantized tokens sto
   holding infinities of one sign is that infinity in any order), no ``contract`` (no FMA: every product
   is the rounded f32 product of the reference), no approximate functions. So the result differs from
   the reference only by the order of the f32 additions (lanes then a tree, instead of BLAS's order),
-  which is what the tests bound. Without it the loop stays scalar, 6x slower (measured: 410 vs 68 us
-  a head for T = 8192, D = 128, 4 bits).
+  which is what the tests bound. Without it the loop stays scalar, several times slower
+  (docs/benchmarks.md, "Where the code's thresholds come from").
 * values: ``out[c] += sum_t (p_t step_t) code[t, c]`` plus ``sum_t p_t min_t`` per value group: the
   inner loop runs over the ``vg`` contiguous channels of a value group with the token weights
   broadcast (two byte rows a pass at 4 and 8 bits), the axpy shape that vectorises with plain IEEE
@@ -39,14 +39,14 @@ residual window in full precision and, between them, ``Tq`` quantized tokens sto
   head at once): the scores again, NumPy's softmax over all heads, the outputs, on one thread.
 * ``threads > 1``: the calling thread and pool threads each make one nogil call that claims heads from
   an atomic counter until none is left (no GIL between heads), or numba ``prange`` over the heads
-  (``nnef_kv.kernels._kivi_jit.PARALLEL``; see there and ``_avoid_cpu`` for the measurements). Every
+  (``nnef_kv.kv.kivi._jit.PARALLEL``; see there and ``_avoid_cpu`` for the measurements). Every
   thread count gives the same bits: a head is the same code whoever runs it.
 
 **Scope.** The kernels take caches without outliers (the exact side table of non-finite or huge keys
 and values): :func:`attend` falls back to ``KiviSdpa``'s own NumPy path when there are outliers, for the
 ``"split"`` / ``"rows"`` codec layouts (3, 5, 6, 7 bits, or sizes that do not divide), and when the score
 matrix would exceed the cache's ``score_budget`` (long prefill chunks: the online-softmax path).
-Where it runs: ``KiviSdpa._attend`` (``nnef_kv/kv/kivi_attend.py``) calls :func:`decode_attention_rows` on
+Where it runs: ``KiviSdpa._attend`` (``nnef_kv/kv/kivi/attend.py``) calls :func:`decode_attention_rows` on
 the cache's buffers when the kernels apply and pay (``KiviSdpa._on_kernels``: some tokens quantized, a
 wide enough cache, no outliers, no softcap, a two-pass-sized score matrix), else its NumPy path;
 :func:`attend` (``attend(sdpa, qn, sq)``) chooses the same way. The key and value cores decode the codes
@@ -58,9 +58,9 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ..kv.common import causal_keep, softmax_numerators
-from ..kv.packing import GroupCodec
-from . import kernel
+from ..common import causal_keep, softmax_numerators
+from ..packing import GroupCodec
+from ...kernels import kernel
 
 __all__ = ["key_scores", "value_sum", "decode_attention", "decode_attention_rows", "attend", "unsupported_reason",
            "two_pass"]
@@ -79,7 +79,7 @@ def _check_codec(bits: int, d: int, key_group: int) -> GroupCodec:
 
 
 # ================================================================================= references
-@kernel("nnef_kv.kernels._kivi_jit:key_scores")
+@kernel("nnef_kv.kv.kivi._jit:key_scores")
 def key_scores(q: np.ndarray, k_codes: np.ndarray, k_min: np.ndarray, k_step: np.ndarray, bits: int,
                key_group: int, out: np.ndarray | None = None, threads: int = 1) -> np.ndarray:
     """Scores of the quantized keys: ``out[h, m, t] = sum_c q[h, m, c] * k[h, t, c]`` computed as
@@ -106,7 +106,7 @@ def key_scores(q: np.ndarray, k_codes: np.ndarray, k_min: np.ndarray, k_step: np
     return out
 
 
-@kernel("nnef_kv.kernels._kivi_jit:value_sum")
+@kernel("nnef_kv.kv.kivi._jit:value_sum")
 def value_sum(p: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray, v_step: np.ndarray, bits: int,
               key_group: int, value_group: int, threads: int = 1) -> np.ndarray:
     """``sum_t p[h, m, t] * v[h, t, :]`` over the quantized tokens -> ``[n, M, D]`` float32, computed as
@@ -163,7 +163,7 @@ def two_pass(ks: Callable[..., np.ndarray], vs: Callable[..., np.ndarray], q: np
         return np.divide(out, ls, out=out)
 
 
-@kernel("nnef_kv.kernels._kivi_jit:decode_attention")
+@kernel("nnef_kv.kv.kivi._jit:decode_attention")
 def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_codes: np.ndarray,
                      k_min: np.ndarray, k_step: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray,
                      v_step: np.ndarray, res_k: np.ndarray, res_v: np.ndarray, *, scale: float, bits: int,
@@ -181,7 +181,7 @@ def decode_attention(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, k_co
                     value_group=value_group, sq=sq, is_causal=is_causal, threads=threads)
 
 
-@kernel("nnef_kv.kernels._kivi_jit:decode_attention_rows")
+@kernel("nnef_kv.kv.kivi._jit:decode_attention_rows")
 def decode_attention_rows(q: np.ndarray, sink_k: np.ndarray, sink_v: np.ndarray, ns: int, k_codes: np.ndarray,
                           k_min: np.ndarray, k_step: np.ndarray, v_codes: np.ndarray, v_min: np.ndarray,
                           v_step: np.ndarray, tq: int, res_k: np.ndarray, res_v: np.ndarray, nr: int, *,
@@ -222,7 +222,7 @@ def cache_arrays(sdpa: Any) -> dict[str, Any]:
                 value_group=c.value_group, is_causal=c.is_causal)
 
 
-@kernel("nnef_kv.kernels._kivi_jit:attend")
+@kernel("nnef_kv.kv.kivi._jit:attend")
 def attend(sdpa: Any, q: np.ndarray, sq: int = 1, threads: int | None = None) -> np.ndarray:
     """What ``sdpa._attend(q, sq)`` returns (``q`` ``[n, M, D]`` float32, rotated): reference =
     ``KiviSdpa``'s own NumPy path; numba side = :func:`decode_attention` when

@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..errors import StateError
-from .common import GrowBuffer, expect_state
+from ...errors import StateError
+from ..common import GrowBuffer, expect_state
 
 __all__ = ["as32", "rotate", "finite_part", "View", "Outliers"]
 
