@@ -6,7 +6,7 @@ windowed model past the window (calls 17..105: 89 predictions an export).
 Prints one row per (export, scheme): same top-1 as HF (Wilson 95% interval), mean KL(HF || converted) (normal
 95% interval of the mean), the windowless model's KL (what an export that lost its window costs), and the total
 at which the sliding layers' bytes held peaked (then flat: every sliding state evicts). The decode and the
-settings are ``tests/test_window_exports.py``'s: KIVI at 8 bits with residual 0 and key groups of 4 (every token
+settings are ``tests/e2e/test_window_exports.py``'s: KIVI at 8 bits with residual 0 and key groups of 4 (every token
 but the call's read through its codes), ggml q8_0, HF's hqq at 8 bits, tract's quantized dyn cache at 8 bits.
 
     python benchmarks/window_exports.py

@@ -1,5 +1,5 @@
 """Regenerate the table "What the command line and the Python API refuse" (docs/hardening.md) from
-real runs of the cases of tests/test_cli_hostile.py and tests/test_api_hostile.py.
+real runs of the cases of tests/properties/test_cli_hostile.py and tests/properties/test_api_hostile.py.
 
     python fuzz/cli_table.py > /tmp/cli_table.md     # from the repository root
 
@@ -15,7 +15,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d)
+                for d in ("", "unit", "properties", "oracle", "e2e")]  # the test helpers and the test groups
 
 from nnef_kv.errors import clip  # noqa: E402
 from cli_world import NO_CHAR_DEVICE, World, run_cli, snapshot, without_paths  # noqa: E402

@@ -1,6 +1,6 @@
 """Regenerate the table "What nnef-kv refuses" of docs/hardening.md from real runs.
 
-    python fuzz/hostile_table.py > /tmp/table.md     # from the repository root; uses tests/test_hostile.py helpers
+    python fuzz/hostile_table.py > /tmp/table.md     # from the repository root; uses tests/properties/test_hostile.py helpers
 
 Each row: the hostile input, the error message, the limit involved, seconds and peak traced memory
 (tracemalloc) of the refusal. Archives are built in a temporary folder (their paths are shortened in the table).
@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "tests" / d)
+                for d in ("", "unit", "properties", "oracle", "e2e")]  # the test helpers and the test groups
 
 import nnef_kv  # noqa: E402
 import test_hostile as H  # noqa: E402

@@ -1,5 +1,6 @@
-"""A small world of good, bad and special files for the command-line tests (tests/test_cli_hostile.py), the CLI
-fuzz target (tests/test_fuzz.py) and the refusal table (fuzz/cli_table.py).
+"""A small world of good, bad and special files for the command-line tests
+(tests/properties/test_cli_hostile.py), the CLI
+fuzz target (tests/properties/test_fuzz.py) and the refusal table (fuzz/cli_table.py).
 
 ``World.make(root)`` writes, under ``root/in`` (inputs, never to be changed) tiny decoders (a 16-position bound, so
 no command can do much work), graphs that fail nnef-kv's check, junk, empty, truncated and hostile ``.npz`` files,
@@ -37,7 +38,7 @@ GRAPHS = {
     "unknownop": "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [2, 3]);\n"
                  "  y = frobnicate(x);\n}\n",
 }
-#: a shared export with torch-to-nnef's --reify-sdpa-operator bug (tests/test_exports.py UNRUNNABLE)
+#: a shared export with torch-to-nnef's --reify-sdpa-operator bug (tests/e2e/test_exports.py UNRUNNABLE)
 SDPA_EXPORT = Path(__file__).resolve().parents[1].parent / "shared/fixtures/exports/llama_sdpa/model.nnef.tgz"
 T2N_EXPORT = SDPA_EXPORT.parents[1] / "llama_default" / "model.nnef.tgz"
 PLAIN = "version 1.0;\ngraph g(x) -> (y) {\n  x = external<scalar>(shape = [1, 4]);\n  y = relu(x);\n}\n"

@@ -1,7 +1,15 @@
-"""Shared test fixtures: where ../shared is, and skips when an optional peer is absent."""
+"""Shared test fixtures: where ../shared is, and skips when an optional peer is absent.
+
+The tests are grouped in four folders: ``unit/`` (one module or layer of the package at a time, mirroring
+it), ``properties/`` (invariants under generated or hostile inputs: hypothesis, fuzzing, differential
+kernels, nothing lost), ``oracle/`` (against tract 0.23.9, the Khronos tools, llama.cpp's and HF's
+references, the conformance cases) and ``e2e/`` (the command line, the real model, the exports and the
+benchmarks' claims). Helpers (``cli_world``, ``gguf_world``, ``tract_oracle``) sit here, beside this file;
+a test may import another folder's test module (the four folders are on ``sys.path``)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -9,6 +17,11 @@ import pytest
 from nnef_kv import tract_driver
 
 REPO = Path(__file__).resolve().parents[1]
+GROUPS = ("unit", "properties", "oracle", "e2e")
+for _group in GROUPS:
+    _dir = str(Path(__file__).resolve().parent / _group)
+    if _dir not in sys.path:
+        sys.path.append(_dir)
 SHARED = REPO.parent / "shared"
 CONFORMANCE = SHARED / "conformance"
 FIXTURES = SHARED / "fixtures"

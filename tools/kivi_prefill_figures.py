@@ -1,4 +1,4 @@
-"""Print what tests/test_kv_kivi.py::test_prefill_is_exact_and_decode_no_worse_on_minilm asserts: a 512-token
+"""Print what tests/unit/test_kv_kivi.py::test_prefill_is_exact_and_decode_no_worse_on_minilm asserts: a 512-token
 one-call KIVI prefill against exact attention, then 256 decode steps, beside the former semantics (a call
 ingesting its tokens before it attends).
 

@@ -25,7 +25,7 @@ held out. ``build``: the weights into :func:`nnef_kv.models.build_decoder_text` 
 rotate-half RoPE as HF's LLaMA), written with :func:`nnef_kv.save`, with the byte-level tokenizer and
 the config; the script checks nnef-kv's logits against the PyTorch ones saved by ``train`` and writes the
 PyTorch reference (the 512 held-out bytes, their last-position logits) as ``reference.npz``
-(``tests/test_trained_fixtures.py`` checks the archive against it). ``tokenizer DIR...``: rewrites only
+(``tests/e2e/test_trained_fixtures.py`` checks the archive against it). ``tokenizer DIR...``: rewrites only
 ``DIR/tokenizer.json``.
 
 The tokenizer (:func:`byte_id_tokenizer`) maps byte ``b`` to id ``b``, the ids the model was trained on

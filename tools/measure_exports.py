@@ -1,4 +1,4 @@
-"""Print, per torch-to-nnef export, what tests/test_exports.py asserts: the distance of nnef-kv's and tract's
+"""Print, per torch-to-nnef export, what tests/e2e/test_exports.py asserts: the distance of nnef-kv's and tract's
 decodes to the export's hf_ref.npz logits and to its t2n_tests, then for each scheme the greedy agreement
 with the f32 archive over the 9 calls (and, for tract's ops, the parity with tract).
 

@@ -23,7 +23,7 @@ How it stays equivalent to the grammar (the grammar remains the definition of th
 5. On a syntax error the document is re-parsed by Lark with the statements already read blanked out
    (same line/column for everything after), so the error message is the one the plain Lark parse gives.
 
-``tests/test_grammar.py`` parses every conformance file with ``fast=True`` and ``fast=False`` and
+``tests/unit/test_grammar.py`` parses every conformance file with ``fast=True`` and ``fast=False`` and
 compares the ASTs including positions; a hypothesis test does the same on generated statements.
 """
 from __future__ import annotations

@@ -13,14 +13,21 @@ from ..core.registry import PRIMITIVES, Primitive
 
 __all__ = ["lookup", "PRIMITIVES", "ops_with", "ops_having", "extensions_for", "FAMILIES"]
 
-#: the modules that register operations (interpreter op families, then the KV ops)
+#: the modules that register operations: the interpreter's op families, then each KV state's own module
+#: (a stateful op is registered on its state class, ``@stateful(SIGNATURE, ...)``)
 FAMILIES = (
     "nnef_kv.interpreter.ops.nnef_std",
     "nnef_kv.interpreter.ops.tract_core",
     "nnef_kv.interpreter.ops.tract_core_signal",
     "nnef_kv.interpreter.ops.tract_transformers",
     "nnef_kv.interpreter.ops.tract_moe",
-    "nnef_kv.kv.ops",
+    "nnef_kv.kv.exact",
+    "nnef_kv.kv.tract_fused",
+    "nnef_kv.kv.tract_dyn_cache",
+    "nnef_kv.kv.kivi.sdpa",
+    "nnef_kv.kv.ggml_sdpa",
+    "nnef_kv.kv.hf_quantized",
+    "nnef_kv.kv.rotated.sdpa",
 )
 _loaded = False
 

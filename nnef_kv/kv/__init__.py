@@ -8,7 +8,7 @@
 * :class:`HfQuantizedSdpa` -- ``nnef_kv_hf_quantized_sdpa``: Hugging Face's ``QuantizedCache`` (quanto, HQQ);
 * :mod:`.packing` -- sub-byte code packing.
 
-The classes work without a graph; :mod:`.ops` registers them as stateful interpreter kernels.
+The classes work without a graph; each is registered as a stateful op on its own class (``@stateful``).
 """
 from __future__ import annotations
 

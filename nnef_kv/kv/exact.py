@@ -20,6 +20,7 @@ import numpy as np
 
 from ..errors import GraphError, StateError
 from ..core.coerce import as_float, norm_axis, parse_datum_type
+from ..core.registry import stateful
 from . import blocked
 from .common import BufferCheckpoint, GrowBuffer, stepwise_loop
 
@@ -164,6 +165,12 @@ def sdpa_array(
     return out if out.dtype == out_dtype else out.astype(out_dtype)
 
 
+@stateful(
+    "fragment tract_transformers_dyn_kv_cache(input: tensor<scalar>, name: string, axis: integer,"
+    " datum_type: string, past_sequence_shape: integer[], input_sequence_shape: integer[])"
+    " -> (output: tensor<scalar>);",
+    "tract_transformers", role="kv-cache", describe="f32/f16 cache, concatenated each run",
+)
 class DynKvCache(BufferCheckpoint):
     """tract's ``DynKeyValueCache``: each run concatenates its input onto the cache along ``axis`` and
     returns the whole cache. The cache starts empty (the first run returns its input). Entries live in a
@@ -306,6 +313,11 @@ class DynKvCache(BufferCheckpoint):
         return {"codes": 0, "params": 0, "full_precision": 0 if self._buf is None else self._buf.nbytes}
 
 
+@stateful(
+    "fragment tract_transformers_window_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>,"
+    " axis: integer, window: integer, scale: scalar = 0.0) -> (output: tensor<scalar>);",
+    "tract_transformers", role="attention+kv", describe="f32 cache of the last `window` K/V entries + attention",
+)
 class WindowKvSdpa(BufferCheckpoint):
     """tract's ``WindowKvSdpa``: K and V of each run are appended to bounded caches that keep the last
     ``window`` entries along ``axis``; q then attends (non-causally, GQA-aware) over every cached entry.

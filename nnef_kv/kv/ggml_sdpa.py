@@ -64,7 +64,7 @@ only what the blocks quantize changes. The window (``residual``) holds rotated r
 :meth:`GgmlSdpa.dequantized` returns the rotated basis.
 
 The class works without a graph: ``op = GgmlSdpa(scale=0.125, key_type="q4_0"); y = op(q, k, v)``;
-:mod:`.ops` registers it as ``nnef_kv_ggml_sdpa``.
+it is registered as ``nnef_kv_ggml_sdpa`` (:data:`SIGNATURE`).
 """
 from __future__ import annotations
 
@@ -74,6 +74,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
+from ..core.registry import stateful
 from . import ggml
 from .common import (BufferCheckpoint, GrowBuffer, check_sink_logits, evict_page, evicted_tokens,
                      expect_config_and_shape, expect_state, sink_rows, start_call)
@@ -197,6 +198,17 @@ class _Segment:
         return kb, vb
 
 
+#: the op's NNEF declaration: its registration (below), and what tools read of its parameters
+SIGNATURE = (
+    'fragment nnef_kv_ggml_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, '
+    'axis: integer = 2, scale: scalar = 0.125, key_type: string = "q8_0", value_type: string = "q8_0", '
+    'residual: integer = 0, is_causal: logical = true, rotate: logical = false, window: integer = 0, '
+    'sink_logits: scalar[] = []) -> (output: tensor<scalar>);'
+)
+
+
+@stateful(SIGNATURE, "nnef_kv", role="attention+kv",
+          describe="llama.cpp ggml-typed cache (q8_0 ... iq4_nl, f16, f32) + attention")
 class GgmlSdpa(BufferCheckpoint):
     """State of one ``nnef_kv_ggml_sdpa`` node: llama.cpp's ggml-typed KV cache and attention over it
     (see the module docstring)."""

@@ -116,7 +116,7 @@ the tensor at a quantization, HQQ's packing) raise ``InputError`` and leave the 
   ``params`` = scale + shift (quanto) or scale + zero (HQQ) arrays in the K/V dtype (one pair a group),
   ``full_precision`` = the residual buffers' allocated capacity.
 
-Cross-check (``tests/test_kv_hf_op.py``): quanto -- the K/V attended at every call are bit-identical
+Cross-check (``tests/oracle/test_kv_hf_op.py``): quanto -- the K/V attended at every call are bit-identical
 to what HF's ``update`` returned (f32 and f16, axes 0/-1, NaN/Inf included); HQQ -- same codes and
 scales, zero points a few ulps apart (torch's Sleef ``pow`` and cascade sums in the optimizer; the
 ``|e|**-0.3`` here is taken in f64 and rounded, the closest cheap match), K/V within 5.3e-6.
@@ -129,6 +129,7 @@ from typing import Any
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
+from ..core.registry import stateful
 from . import blocked
 from .common import (BufferCheckpoint, GrowBuffer, check_sink_logits, expect_config_and_shape, expect_state,
                      sink_rows, start_call)
@@ -189,6 +190,18 @@ class HfQuantizedConfig:
                          _BACKENDS.index(self.backend), STATE_LAYOUT] + extra, np.int64)
 
 
+#: the op's NNEF declaration: its registration (below), and what tools read of its parameters
+SIGNATURE = (
+    'fragment nnef_kv_hf_quantized_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, '
+    'axis: integer = 2, scale: scalar = 0.125, bits: integer = 4, group_size: integer = 64, '
+    'residual: integer = 128, axis_key: integer = 0, axis_value: integer = 0, '
+    'backend: string = "quanto", is_causal: logical = true, window: integer = 0, '
+    'sink_logits: scalar[] = []) -> (output: tensor<scalar>);'
+)
+
+
+@stateful(SIGNATURE, "nnef_kv", role="attention+kv",
+          describe="Hugging Face QuantizedCache (quanto / HQQ) + attention")
 class HfQuantizedSdpa(BufferCheckpoint):
     """State of one ``nnef_kv_hf_quantized_sdpa`` node: HF's ``QuantizedLayer`` + exact attention."""
 

@@ -11,8 +11,8 @@ the input's dtype. Per (batch, head):
 * ``step = (hi - lo) / (2**bits - 1)`` (1.0 when flat), codes ``round((x - lo) / step)`` half away
   from zero, clamped; 4-bit codes packed two a byte, even index in the low nibble.
 
-Bit for bit tract's codes, params and output on the same input (``tests/test_kv_tract_ops.py``, and
-``tests/test_tract_parity.py`` on the K/V tract computes in a real decoder). ``flip_margin`` (0: off) is
+Bit for bit tract's codes, params and output on the same input (``tests/oracle/test_kv_tract_ops.py``, and
+``tests/oracle/test_tract_parity.py`` on the K/V tract computes in a real decoder). ``flip_margin`` (0: off) is
 validation's probe of how much tract parity can move (``nnef_kv/validate/parity.py``): every code that an
 input noise of ``flip_margin`` could carry over its rounding boundary is stored as the other neighbour.
 """
@@ -21,6 +21,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import GraphError, InputError, StateError
+from ..core.registry import stateful
 from .common import BufferCheckpoint, GrowBuffer, expect_state, round_half_away
 from .packing import pack_bits, packed_len, unpack_bits
 
@@ -69,6 +70,16 @@ def _shape_attr(shape) -> tuple:
     return tuple(x.strip() if isinstance(x, str) else x for x in shape)
 
 
+#: the op's NNEF declaration: its registration (below), and what tools read of its parameters
+SIGNATURE = (
+    'fragment tract_transformers_quantized_dyn_kv_cache(input: tensor<scalar>, name: string, '
+    'axis: integer, bits: integer, per_channel: integer, datum_type: string, '
+    'past_sequence_shape: integer[], input_sequence_shape: integer[]) -> (output: tensor<scalar>);'
+)
+
+
+@stateful(SIGNATURE, "tract_transformers", role="kv-cache",
+          describe="tract quantized cache (4/8 bits), dequantized on read")
 class TractQuantizedDynKvCache(BufferCheckpoint):
     """State of one ``tract_transformers_quantized_dyn_kv_cache`` node."""
 

@@ -13,7 +13,7 @@ What tract does (``transformers/src/ops/kv_quant.rs``, checked against the tract
   ``kv = h // (Hq / Hkv)``, ``scale`` default ``sqrt(1 / D)``; output cast back to q's dtype.
 
 Codes and params are tract's bit for bit on the same K/V; the output differs by f32 rounding only (tract's
-flash softmax in blocks of 32, its own dot products and ``exp``: within 1e-5, ``tests/test_kv_tract_ops.py``).
+flash softmax in blocks of 32, its own dot products and ``exp``: within 1e-5, ``tests/oracle/test_kv_tract_ops.py``).
 ``flip_margin = (keys, values)`` (0: off) is validation's boundary-flip probe, as in ``tract_dyn_cache``.
 
 The class is usable without a graph: ``state = TractQuantizedKvSdpa(scale=0.125); y = state(q, k, v)``.
@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..errors import InputError, StateError
+from ..core.registry import stateful
 from . import blocked
 from .common import BufferCheckpoint, GrowBuffer, check_qkv, expect_state, round_half_away, stepwise_loop
 from .tract_dyn_cache import flip_at_boundary
@@ -56,6 +57,14 @@ def softmax_attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, scale: float,
     return o.reshape(b, hq, sq, d)
 
 
+#: the op's NNEF declaration: its registration (below), and what tools read of its parameters
+SIGNATURE = (
+    'fragment tract_transformers_quantized_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, '
+    'v: tensor<scalar>, axis: integer = 2, scale: scalar = 0.0) -> (output: tensor<scalar>);'
+)
+
+
+@stateful(SIGNATURE, "tract_transformers", role="attention+kv", describe="tract fused u8 cache + attention")
 class TractQuantizedKvSdpa(BufferCheckpoint):
     """State of one ``tract_transformers_quantized_kv_sdpa`` node (see module docstring)."""
 

@@ -1,6 +1,6 @@
 """The tract-parity tolerance of an archive holding tract's quantized KV ops, derived from code flips.
 
-nnef-kv stores tract's codes bit for bit *on the same K/V* (``tests/test_tract_parity.py``), but in a
+nnef-kv stores tract's codes bit for bit *on the same K/V* (``tests/oracle/test_tract_parity.py``), but in a
 whole decoder the K/V differ: the projections feeding them accumulate in another order in tract than in
 NumPy's BLAS (the first difference of the trained decoder is layer 0's RMS norm ``mean_reduce``, 2e-9;
 after the k/v ``linear`` it is 1e-6, after four layers 4e-6). That f32 noise carries the few codes that

@@ -7,7 +7,7 @@ cross a window of text (:data:`BLOCK` tokens, fewer in short windows so that eac
 a **block bootstrap** (whole blocks drawn with replacement, :data:`REPLICATES` times, a fixed seed: the same
 figures give the same interval) estimates the standard error of the mean, and the interval is
 ``mean +- t(blocks - 1, 0.975) x se`` (a Student-t quantile: with few blocks the interval widens instead of
-covering less). ``tests/test_statistics.py`` checks the coverage on synthetic correlated data whose mean is
+covering less). ``tests/properties/test_statistics.py`` checks the coverage on synthetic correlated data whose mean is
 known. A *paired* difference (two schemes on the same tokens) is the same interval on the per-token
 difference: the text's difficulty, shared by both, cancels.
 

@@ -1,7 +1,7 @@
 """Kernels of tract's ``tract_core_*`` operations (registry ``tract_core``), plus ``tract_onnx_non_zero``.
 
 Semantics follow tract (``sonos/tract`` ``nnef/src/ops/core/*.rs`` for the NNEF signatures, ``core/src/ops``
-for the evaluation), checked against tract 0.23.9 in ``tests/test_tract_ops.py``. Signatures are NNEF
+for the evaluation), checked against tract 0.23.9 in ``tests/oracle/test_tract_ops.py``. Signatures are NNEF
 fragment declarations matching tract's ``register_primitive`` calls; where tract reads a parameter as
 optional although its declaration has no default, the declaration below gives the neutral default
 (documented on each op).

@@ -2,7 +2,7 @@
 
 torch-to-nnef 0.24.12 writes it for every MoE block it knows (Mixtral, Qwen MoE, OLMoE, Gemma 4,
 GPT-OSS); tract 0.23.9 runs it. The semantics, established against tract 0.23.9 on random inputs
-(``tests/test_tract_moe.py``, which keeps tract the oracle):
+(``tests/oracle/test_tract_moe.py``, which keeps tract the oracle):
 
 * ``x`` ``[..., D]`` is read as ``N = prod(...)`` rows; router logits ``x . wg^T (+ wg_bias)``, ``wg`` ``[E, D]``;
 * the ``k`` largest logits of a row pick its experts (ties: the lower expert index); their weights by

@@ -1,10 +1,10 @@
 """Kernels of tract's ``tract_transformers_*`` operations (registry ``tract_transformers``).
 
 Semantics follow ``sonos/tract`` ``transformers/src/ops/*.rs`` and are checked against tract 0.23.9 in
-``tests/test_tract_ops.py`` and ``tests/test_tract_decode.py``. The quantized KV ops
+``tests/oracle/test_tract_ops.py`` and ``tests/oracle/test_tract_decode.py``. The quantized KV ops
 (``tract_transformers_quantized_dyn_kv_cache``, ``tract_transformers_quantized_kv_sdpa``) are registered in
-``nnef_kv.kv.ops``; the classes of the full-precision states (``dyn_kv_cache``, ``window_kv_sdpa``) and the
-attention math live in ``nnef_kv.kv.exact`` with every other KV state, and are registered here.
+their state modules (``nnef_kv.kv.tract_fused``, ``nnef_kv.kv.tract_dyn_cache``), the full-precision states
+(``dyn_kv_cache``, ``window_kv_sdpa``) in ``nnef_kv.kv.exact``, each on its class, with every other KV state.
 
 Precision: ``sdpa`` computes scores, softmax and the weighted sum in f32 whenever ``acc_datum_type`` is
 f16 or f32 (tract's optimized CPU kernel, FlashSdpaOp, accumulates in f32 whatever the float input
@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import GraphError
-from ...core.registry import Kernel, primitive, stateful
+from ...core.registry import Kernel, primitive
 from ...kv.exact import DynKvCache, WindowKvSdpa, causal_mask, sdpa_array
 from ...core.coerce import as_float, float_compute_dtype, parse_datum_type
 
@@ -212,21 +212,5 @@ def tract_transformers_gdn_recurrent(
         out[:, t] = np.einsum("bhr,bhrc->bhc", qn, S) / np.float32(math.sqrt(width))
     return out.astype(q.dtype), S.astype(st.dtype)
 
-
-# ----------------------------------------------------------------------------------------------
-# Full-precision KV states (their classes live in nnef_kv.kv.exact, with every other KV state)
-# ----------------------------------------------------------------------------------------------
-stateful(
-    "fragment tract_transformers_dyn_kv_cache(input: tensor<scalar>, name: string, axis: integer,"
-    " datum_type: string, past_sequence_shape: integer[], input_sequence_shape: integer[])"
-    " -> (output: tensor<scalar>);",
-    REG, role="kv-cache", describe="f32/f16 cache, concatenated each run",
-)(DynKvCache)
-
-stateful(
-    "fragment tract_transformers_window_kv_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>,"
-    " axis: integer, window: integer, scale: scalar = 0.0) -> (output: tensor<scalar>);",
-    REG, role="attention+kv", describe="f32 cache of the last `window` K/V entries + attention",
-)(WindowKvSdpa)
 
 __all__ = ["causal_mask", "sdpa_array", "DynKvCache", "WindowKvSdpa"]

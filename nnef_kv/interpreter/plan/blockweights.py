@@ -17,7 +17,7 @@ A block-quantized ``variable`` is a :class:`~nnef_kv.tensors.blockquant.BlockQua
   product the rewrite does not cover) gets the dequantized f32 array, as before this module existed.
 
 The numba product sums in another order than BLAS on the dequantized weights: results differ by f32
-rounding (``tests/test_kernels.py`` bounds it against the reference); with numba off they are the
+rounding (``tests/properties/test_kernels.py`` bounds it against the reference); with numba off they are the
 reference's bits, which are those of the old dequantize-at-load path (the same BLAS call on the same
 ``[K, N]`` array).
 """

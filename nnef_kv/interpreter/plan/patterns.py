@@ -5,7 +5,7 @@ else reads (:class:`.chains.Flow`); the chain's fast form (:func:`.chains.chain_
 calls as the unfused steps on the same operands, in the same operand order, only without the plan steps,
 the generic kernels' dtype/rank dispatch and the temporaries between them (``out=`` into values of its
 own); when a guard on the run-time inputs does not hold (another dtype, a rank NNEF's alignment would pad,
-bounds other than a rotate-half split...) the original steps run. ``tests/test_patterns.py`` compares the
+bounds other than a rotate-half split...) the original steps run. ``tests/unit/test_patterns.py`` compares the
 fused and unfused plans bit for bit on every torch-to-nnef export of the fixtures and on the built-in ones.
 
 * ``rms_norm``: ``mul(w, cast(mul(x, rsqrt(add(mean_reduce(sqr(x), [last]), eps)))))`` (``sqr(x)`` or

@@ -6,7 +6,7 @@ op file): ``fn(static attributes)`` returns a closure with that work done once, 
 the generic kernel computes (same NumPy calls in the same order, same roundings) on the inputs it
 handles, and calling the generic kernel itself for any other input (another dtype, a rank it was not
 prepared for, an error to report), or None when the attributes do not allow it.
-``tests/test_specialize.py`` checks each one against its generic kernel.
+``tests/properties/test_specialize.py`` checks each one against its generic kernel.
 """
 from __future__ import annotations
 

@@ -49,6 +49,7 @@ from typing import Any
 import numpy as np
 
 from ...errors import GraphError, InputError, StateError
+from ...core.registry import stateful
 from ..common import (BufferCheckpoint, GrowBuffer, evict_page, evicted_tokens, expect_config_and_shape, expect_state,
                      start_call)
 from .attend import KiviAttention
@@ -64,6 +65,18 @@ _CLIP_GRID = (1.0, 0.95, 0.9, 0.85, 0.8, 0.75, 0.7, 0.65, 0.6, 0.55, 0.5)
 SINK_CHUNK = 256  # the most tokens a sink or window buffer reserves at once (more grow the buffer as they come)
 
 
+#: the op's NNEF declaration: its registration (below), and what tools read of its parameters
+SIGNATURE = (
+    'fragment nnef_kv_kivi_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, '
+    'axis: integer = 2, scale: scalar = 0.125, bits: integer = 4, key_group: integer = 32, '
+    'value_group: integer = 32, residual: integer = 32, sinks: integer = 0, is_causal: logical = true, '
+    'rotate: string = "none", clip: logical = false, params: string = "f16", softcap: scalar = 0.0, '
+    'key_bits: integer = 0, value_bits: integer = 0, key_axis: string = "channel", window: integer = 0, '
+    'sink_logits: scalar[] = []) -> (output: tensor<scalar>);'
+)
+
+
+@stateful(SIGNATURE, "nnef_kv", role="attention+kv", describe="nnef-kv KIVI cache (1..8 bits) + attention")
 class KiviSdpa(KiviAttention, KiviDequantizedAttention, BufferCheckpoint):
     """State of one ``nnef_kv_kivi_sdpa`` node: a quantized KV cache and attention over it."""
 

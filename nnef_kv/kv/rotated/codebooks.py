@@ -11,7 +11,7 @@ marginal (``D >= 3``), computed here by Lloyd's iterations on a fine grid (not a
 anywhere); ``D = 2`` uses the same grid (the arcsine density, integrable at the ends) and ``D = 1``
 (a coordinate is +-1) the evenly spaced levels of ``[-1, 1]``. :func:`gaussian_codebook` is the same
 computation for a unit Gaussian, the check against the published Lloyd-Max MSEs (0.3634, 0.1175,
-0.03454, 0.009497 at 1-4 bits; ``tests/test_kv_rotated.py``).
+0.03454, 0.009497 at 1-4 bits; ``tests/unit/test_kv_rotated.py``).
 
 :func:`rotation` is the op's rotation: ``D`` a power of two, a Sylvester Hadamard matrix with random
 signs on its rows, ``diag(s) H / sqrt(D)`` (``s`` = +-1 from ``numpy.random.default_rng(seed)``); any

@@ -33,8 +33,8 @@ rotated back once (``@ R.T``); sinks and window are read exactly in the original
 of them (exact f32, GQA, causal bottom-right aligned as the KIVI op). The two loops over the codes are numba
 kernels beside their NumPy references (``NNEF_KV_NO_NUMBA=1`` runs the references).
 
-The class works without a graph: ``op = RotatedSdpa(scale=0.125, bits=3); y = op(q, k, v)``; :mod:`.ops`
-registers it as ``nnef_kv_rotated_sdpa``.
+The class works without a graph: ``op = RotatedSdpa(scale=0.125, bits=3); y = op(q, k, v)``; it is
+registered as ``nnef_kv_rotated_sdpa`` (:data:`SIGNATURE`).
 """
 from __future__ import annotations
 
@@ -43,6 +43,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...errors import GraphError, InputError, StateError
+from ...core.registry import stateful
 from . import kernels as RA
 from .codebooks import MAX_BITS, boundaries, codebook, rotation
 from ..common import BufferCheckpoint, GrowBuffer, expect_config_and_shape, expect_state, f16_to_f32, start_call
@@ -189,6 +190,17 @@ def _add_exact(out: np.ndarray, p: np.ndarray, values: np.ndarray) -> None:
         out[h] += np.where((pe > 0)[:, None], pe[:, None] * values[h, t][None, :], np.float32(0))
 
 
+#: the op's NNEF declaration: its registration (below), and what tools read of its parameters
+SIGNATURE = (
+    'fragment nnef_kv_rotated_sdpa(q: tensor<scalar>, k: tensor<scalar>, v: tensor<scalar>, '
+    'axis: integer = 2, scale: scalar = 0.125, bits: integer = 4, key_bits: integer = 0, '
+    'value_bits: integer = 0, residual: integer = 0, sinks: integer = 0, is_causal: logical = true, '
+    'seed: integer = 0) -> (output: tensor<scalar>);'
+)
+
+
+@stateful(SIGNATURE, "nnef_kv", role="attention+kv",
+          describe="nnef-kv rotated-codebook cache (Hadamard + Lloyd-Max, 1..4 bits, f16 norms) + attention")
 class RotatedSdpa(BufferCheckpoint):
     """State of one ``nnef_kv_rotated_sdpa`` node (see the module docstring)."""
 

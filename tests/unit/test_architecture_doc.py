@@ -1,5 +1,5 @@
 """docs/architecture.md says where things live: every path and module it names exists, and its layer list
-is the one tests/test_layering.py enforces."""
+is the one tests/unit/test_layering.py enforces."""
 from __future__ import annotations
 
 import importlib
@@ -14,8 +14,8 @@ DOC = REPO / "docs" / "architecture.md"
 TEXT = DOC.read_text()
 #: backquoted paths: `nnef_kv/...`, `tests/...`, `benchmarks/...`, and package-relative ones (`converters/schemes.py`)
 PATHS = sorted(set(re.findall(r"`((?:nnef_kv|tests|benchmarks|tools)/[\w/.]+?)/?`", TEXT)))
-RELATIVE = sorted(set(re.findall(r"`((?:kv|converters|validate|interpreter|plan|io|grammar|kernels|core|tensors)/[\w/]+\.py)",
-                                 TEXT)))
+FOLDERS = "kv|converters|validate|interpreter|plan|io|grammar|kernels|core|tensors"
+RELATIVE = sorted(set(re.findall(rf"`((?:{FOLDERS})/[\w/]+\.py)", TEXT)))
 MODULES = sorted(set(re.findall(r"`(nnef_kv(?:\.\w+)+)`", TEXT)))
 
 

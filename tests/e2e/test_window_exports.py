@@ -128,7 +128,7 @@ def test_tract_s_fused_op_refuses_the_window(export) -> None:
 
 def test_the_tract_cache_conversion_keeps_the_window_in_the_mask(export) -> None:
     """tract's quantized dyn cache stores every token, the graph's mask keeps the window; tract runs it alike
-    (tests/test_exports.py, with the code-flip bound of validation)."""
+    (tests/e2e/test_exports.py, with the code-flip bound of validation)."""
     model, _ = convert(export["model"], "tract-cache", bits=8)
     got = _decode(InterpreterDecoder(model), export["tokens"], export["n"])
     past, h = slice(WINDOW, None), export["hf"]

@@ -11,9 +11,9 @@ tensor re-encodes to the same value).
 Profiles: ``ci`` (default, 2,000 examples per target) and ``long`` (10,000 per target), chosen with the
 environment variable ``NNEF_KV_FUZZ_PROFILE``::
 
-    python -m pytest tests/test_fuzz.py -q -s                           # ci profile, prints the counts
-    NNEF_KV_FUZZ_PROFILE=long python -m pytest tests/test_fuzz.py -q -s  # 10,000 per target
-    python -m pytest tests/test_fuzz.py --long -q -s                     # the same
+    python -m pytest tests/properties/test_fuzz.py -q -s                           # ci profile, prints the counts
+    NNEF_KV_FUZZ_PROFILE=long python -m pytest tests/properties/test_fuzz.py -q -s  # 10,000 per target
+    python -m pytest tests/properties/test_fuzz.py --long -q -s                     # the same
 
 The number of examples each target ran is printed at the end of the module (and written as JSON to
 ``$NNEF_KV_FUZZ_SUMMARY`` when that variable names a file). Memory-hungry targets run under a soft

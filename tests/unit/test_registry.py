@@ -176,3 +176,27 @@ def test_a_registered_kv_op_is_known_to_every_tool(fake_op: str) -> None:
     ins = {n: rng.standard_normal((1, 2, 1, 4)).astype(np.float32) for n in "qkv"}
     s.run(ins)
     assert s.kv_cache_bytes()["full_precision"] == 2 * 2 * 4 * 4
+
+
+def test_the_published_nnef_kv_declarations_are_the_registered_ones() -> None:
+    """One way of declaring an op: its signature on its registration. ``nnef_kv/grammar/nnef_kv_ops.nnef``
+    publishes the nnef_kv ops' declarations with their documentation; it must declare exactly the registered
+    ops with the same parameters (names, types, defaults, order) and results."""
+    from nnef_kv.grammar import parse
+
+    published = (Path(nnef_kv.__file__).parent / "grammar" / "nnef_kv_ops.nnef").read_text()
+    fragments = {f.name: f for f in parse("version 1.0;\n" + published, filename="nnef_kv_ops.nnef").fragments}
+    lookup("add")  # loads every op family
+    mine = {name: p for name, p in PRIMITIVES.items() if p.registry == "nnef_kv"}
+    assert set(fragments) == set(mine) and len(mine) >= 4
+
+    def declared(f):  # a declaration without its position in its file
+        return f.name, f.generic, f.params, f.results
+
+    for name, prim in mine.items():
+        registered = parse("version 1.0;\n" + prim.signature, filename=name).fragments[0]
+        assert declared(fragments[name]) == declared(registered), name
+    # each stateful op's class carries its registration in its own module
+    for name, prim in PRIMITIVES.items():
+        if prim.stateful:
+            assert prim.state_factory.__module__.startswith("nnef_kv.kv."), (name, prim.state_factory.__module__)

@@ -29,7 +29,7 @@ from nnef_kv.kernels import blockquant as bq
 from nnef_kv.kv.kivi import kernels as ka
 from nnef_kv.kv.kivi import KiviSdpa
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 try:  # imported here only to know (nnef_kv itself imports it lazily)
     import numba  # noqa: F401
 except Exception:  # absent or broken: the numba half of the tests is skipped
@@ -196,7 +196,7 @@ def test_non_finite_scales_take_the_reference_path(mode):
         assert np.array_equal(bq.matmul(p, x), bq.matmul.reference(p, x), equal_nan=True)
 
 
-CASE = Path(__file__).resolve().parents[2] / "shared" / "conformance" / "tract-harness" / "q40_linear_followed_slice"
+CASE = Path(__file__).resolve().parents[3] / "shared" / "conformance" / "tract-harness" / "q40_linear_followed_slice"
 
 
 @pytest.mark.skipif(not (CASE / "io.npz").is_file(), reason=f"conformance case not found at {CASE}")

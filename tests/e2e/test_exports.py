@@ -133,7 +133,7 @@ def test_converts_and_the_conversion_runs(export, scheme, bits) -> None:
     agree = int(np.sum(np.argmax(got, -1) == np.argmax(export["logits"], -1)))
     if bits == 8 and scheme != "tract":  # tract's fused op is far from exact attention by design (docs/kv.md)
         assert agree >= 8, agree
-    # tract loads each *_window conversion in 6-20 s: their tract parity is tests/test_window_exports.py's
+    # tract loads each *_window conversion in 6-20 s: their tract parity is tests/e2e/test_window_exports.py's
     if scheme != "kivi" and HAVE_TRACT and not export["dir"].name.endswith("_window"):
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "converted.nnef.tgz"

@@ -466,16 +466,18 @@ def test_bad_attributes_and_inputs():
 
 def test_registered_with_its_declaration():
     from nnef_kv.core.registry import PRIMITIVES, StatefulKernel
-    from nnef_kv.kv import ops
+    from nnef_kv.kv.ggml_sdpa import GgmlSdpa
 
     prim = PRIMITIVES["nnef_kv_ggml_sdpa"]
-    assert prim.registry == "nnef_kv" and prim.stateful and prim.state_factory is ops.GgmlSdpaKernel
+    assert prim.registry == "nnef_kv" and prim.stateful and prim.state_factory is GgmlSdpa
     for attr in ('axis: integer = 2', 'scale: scalar = 0.125', 'key_type: string = "q8_0"',
                  'value_type: string = "q8_0"', 'residual: integer = 0', 'is_causal: logical = true'):
         assert attr in prim.signature
     state = prim.state_factory(axis=2, scale=0.125, key_type="q4_0", value_type="q8_0", residual=0, is_causal=True)
     assert isinstance(state, StatefulKernel) and isinstance(state, GgmlSdpa)
-    assert ops.KIVI_SIGNATURE.startswith("fragment nnef_kv_kivi_sdpa(") and "key_type" not in ops.KIVI_SIGNATURE
+    from nnef_kv.kv.kivi.sdpa import SIGNATURE as KIVI_SIGNATURE
+
+    assert KIVI_SIGNATURE.startswith("fragment nnef_kv_kivi_sdpa(") and "key_type" not in KIVI_SIGNATURE
     assert PRIMITIVES["nnef_kv_kivi_sdpa"].decl.name == "nnef_kv_kivi_sdpa"
 
 

@@ -392,10 +392,9 @@ graph g(q, k, v) -> (o) {
 def test_the_op_in_a_graph(tmp_path):
     from nnef_kv.core.registry import PRIMITIVES
     from nnef_kv.io.archive import Model
-    from nnef_kv.kv import ops
 
     prim = PRIMITIVES["nnef_kv_rotated_sdpa"]
-    assert prim.registry == "nnef_kv" and prim.state_factory is ops.RotatedSdpaKernel and prim.role == "attention+kv"
+    assert prim.registry == "nnef_kv" and prim.state_factory is RotatedSdpa and prim.role == "attention+kv"
     model = Model.from_text(GRAPH, {})
     sess = model.session()
     plain = RotatedSdpa(scale=0.25, bits=3, value_bits=2, residual=2)

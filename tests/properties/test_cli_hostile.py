@@ -520,7 +520,7 @@ def test_temporaries_of_a_killed_writer_are_swept_by_the_next_write(world, tmp_p
     code = ("import sys, time\nfrom nnef_kv.atomic import atomic_write\n"
             "with atomic_write(sys.argv[1]) as f:\n    f.write(b'x' * 100000); f.flush(); print('ready', flush=True)\n"
             "    time.sleep(60)\n")
-    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
     p = subprocess.Popen([sys.executable, "-c", code, str(target)], stdout=subprocess.PIPE, env=env)
     try:
         assert p.stdout.readline().strip() == b"ready"

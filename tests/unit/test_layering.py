@@ -21,7 +21,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("nnef_kv.tensors",),  # a tensor's bytes: .dat, block-quantized tensors, mapped pages
     ("nnef_kv.core",),  # the op contract: registry, params, dtypes, coerce
     ("nnef_kv.kernels",),  # numba kernels of the weight products, each beside its NumPy reference
-    ("nnef_kv.kv",),  # the KV states (KIVI with its kernels in kv/kivi/), registered as ops by kv/ops.py
+    ("nnef_kv.kv",),  # the KV states (KIVI with its kernels in kv/kivi/), each registered on its class
     ("nnef_kv.interpreter",),  # op families, graph, plan, session
     ("nnef_kv.io",),  # archives: containers, the Model, load / save
     ("nnef_kv.tract_driver", "nnef_kv.models", "nnef_kv.samples", "nnef_kv.text", "nnef_kv.summary"),

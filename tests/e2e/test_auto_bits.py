@@ -16,7 +16,7 @@ from nnef_kv.cli import main
 from nnef_kv.validate.autobits import (LADDERS, AutoBitsResult, Candidate, _levels, _next_levels, _refine, _refine_all,
                                       _setting, _unit_bytes, _units, knapsack, layer_groups, pick_ladder)
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRAINED = ROOT / "tests" / "fixtures" / "trained_llama" / "model.nnef.tgz"
 
 

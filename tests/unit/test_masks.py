@@ -141,7 +141,7 @@ def test_a_windowed_decoder_converts_and_follows_the_window(scheme: str) -> None
     assert any(f"window = {W}" in n for n in report.notes)
     ids = [int(x) for x in np.random.default_rng(3).integers(0, cfg.vocab, 200)]
     s = model.session()
-    sliding = [st for st in s.states if type(st).__name__.endswith("SdpaKernel")]
+    sliding = [st for st in s.states if type(st).__name__.endswith("Sdpa")]
     assert len(sliding) == 2
     rows, held = [np.asarray(s.run({"input_ids": np.array([ids[:5]], np.int64)})["outputs"])[0, -1]], []
     for t in ids[5:]:

@@ -104,7 +104,7 @@ graph g(ids) -> (y, z)
 @pytest.mark.parametrize("name", ["llama_q4", "qwen2_q4"])
 def test_q4_exports_keep_their_blocks(name: str) -> None:
     """The torch-to-nnef Q4_0 exports: every weight product runs on the blocks, none is dequantized (their
-    numerics against the exporter's test outputs and tract: tests/test_exports.py)."""
+    numerics against the exporter's test outputs and tract: tests/e2e/test_exports.py)."""
     path = FIXTURES / "exports" / name / "model.nnef.tgz"
     if not path.is_file():
         pytest.skip(f"{path} not found")
