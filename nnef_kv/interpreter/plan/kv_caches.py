@@ -16,7 +16,8 @@ from ..catalog import ops_having
 from ..graph import Node
 from .view import PASSTHROUGH, View, product
 
-__all__ = ["Cache", "cache_at", "cache_source", "repeat_chain", "find_caches", "DYN_CACHE_OP", "REPEAT_OPS"]
+__all__ = ["Cache", "cache_at", "cache_source", "repeat_chain", "repeat_nodes", "find_caches", "DYN_CACHE_OP",
+           "REPEAT_OPS"]
 
 #: the steps of a K/V head expansion (repeat_kv)
 REPEAT_OPS = ops_having("kv_expand")
@@ -37,16 +38,22 @@ class Cache:
     role: str = ""  # "key" or "value" when known
 
 
+def repeat_nodes(w: View, slot: int) -> list[Node]:
+    """The nodes K (or V) goes back through to its source: casts and the steps of a head expansion (nearest
+    first); unchecked (:func:`repeat_chain` checks it is the grouped-query repeat)."""
+    out: list[Node] = []
+    n = w.node(slot)
+    while n is not None and n.op in REPEAT_OPS | PASSTHROUGH and w.first(n) is not None and len(out) < 64:
+        out.append(n)
+        n = w.node(w.first(n))
+    return out
+
+
 def repeat_chain(w: View, slot: int) -> tuple[int, list[int]]:
     """Follow K/V back through casts and the GQA repeat; returns (source slot, chain slots)."""
-    chain: list[int] = []
-    cur = slot
-    while True:
-        n = w.node(cur)
-        if n is None or n.op not in REPEAT_OPS | PASSTHROUGH or w.first(n) is None:
-            break
-        chain.append(cur)
-        cur = w.first(n)  # type: ignore[assignment]
+    nodes = repeat_nodes(w, slot)
+    chain = [w.out(n) for n in nodes]
+    cur = w.first(nodes[-1]) if nodes else slot
     structural = [c for c in chain if w.node(c).op in REPEAT_OPS]  # type: ignore[union-attr]
     if structural:  # source side first: must start with unsqueeze(axes = [2]) (repeat_interleave of heads)
         fn = w.node(structural[-1])

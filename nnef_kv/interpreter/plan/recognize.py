@@ -35,8 +35,8 @@ from ..values import Lazy
 from .kv_caches import DYN_CACHE_OP, SDPA_OP, Cache, cache_at, cache_source, find_caches, repeat_chain
 from .view import PASSTHROUGH, NotConstant, View, product, through_casts
 
-__all__ = ["View", "Cache", "Found", "Miss", "recognize", "find_caches", "attention_outputs", "interpret",
-           "DYN_CACHE_OP"]
+__all__ = ["View", "Cache", "Found", "Miss", "Core", "recognize", "attention_core", "softmax_of", "find_caches",
+           "attention_outputs", "interpret", "DYN_CACHE_OP"]
 
 #: what the recognizer walks through, from the registry's facts (casts and copies: :data:`.view.PASSTHROUGH`)
 SOFTMAX_OPS = ops_having("softmax")
@@ -95,34 +95,37 @@ class _Stop(Exception):
 
 
 # ---------------------------------------------------------------------------------------------- the scores
-def _key_of_scores(w: View, n: Node) -> tuple[int, int, float] | None:
-    """For a scores product ``q . K^T``: ``(q, K, constant factor on K^T)``, else None."""
+def _key_of_scores(w: View, n: Node) -> tuple[int, int, float, list[Node]] | None:
+    """For a scores product ``q . K^T``: ``(q, K, constant factor on K^T, the nodes from the product's second
+    operand back to K)``, else None."""
     prod = product(w, n)
     if prod is None:
         return None
     a, b, transposed = prod
-    factor, cur = 1.0, b
+    factor, cur, path = 1.0, b, []
     for _ in range(16):
         m = w.node(cur)
         if m is None:
             break
         if m.op in PASSTHROUGH:
             cur = w.first(m)
+            path.append(m)
             continue
         c = w.scalar(w.arg(m, "y")) if m.op in ("mul", "div") else None  # op pattern
         if c is not None and w.const(w.arg(m, "x")) is None:
             factor = factor * c if m.op == "mul" else factor / c
             cur = w.arg(m, "x")
+            path.append(m)
             continue
         break
     q = through_casts(w, a)
     if q is None:
         return None
     if transposed:
-        return q, cur, factor
+        return q, cur, factor, path
     m = w.node(cur)
     if m is not None and m.op == "transpose" and w.attr(m, "axes") == [0, 1, 3, 2] and w.first(m) is not None:
-        return q, w.first(m), factor  # type: ignore[return-value]
+        return q, w.first(m), factor, path + [m]  # type: ignore[return-value]
     return None
 
 
@@ -346,7 +349,7 @@ def recognize(w: View) -> tuple[list[Found], list[Miss]]:
             elif miss is not None:
                 misses.append(miss)
             continue
-        q, kfull, kfactor = _key_of_scores(w, mm1)  # type: ignore[misc]
+        q, kfull, kfactor, _ = _key_of_scores(w, mm1)  # type: ignore[misc]
         sinks = next((o[1] for o in ops if o[0] == "sinks"), None)
         mm2, fwd = _forward_to_pv(w, sm, sinks=sinks is not None)
         if mm2 is None or (sinks is not None and not any(drops_last_column(w, f) for f in fwd[1:])):
@@ -453,20 +456,54 @@ def _follow_folded(w: View, sm: Node) -> Found | None:
 
 
 # ---------------------------------------------------------------------------------------------- capture
+def softmax_of(w: View, pv: Node) -> tuple[Node, list[Node]] | None:
+    """``(the softmax, the casts after it)`` when ``pv`` is a ``p . V`` product reading a softmax's probabilities
+    (through casts) as its first operand, else None."""
+    prod = product(w, pv)
+    if prod is None or prod[2]:
+        return None
+    casts: list[Node] = []
+    cur = prod[0]
+    for _ in range(16):
+        n = w.node(cur)
+        if n is None or (n.op not in SOFTMAX_OPS and n.op not in PASSTHROUGH):
+            return None
+        if n.op in SOFTMAX_OPS:
+            return n, casts[::-1]
+        casts.append(n)
+        cur = w.first(n)
+    return None
+
+
+@dataclass
+class Core:
+    """A decomposed attention seen from its ``p . V`` product, its caches not asked for (what the planner fuses)."""
+
+    softmax: Node
+    forward: list[Node]  # the casts from the softmax to p . V
+    product: Node  # q . K^T
+    ops: list[tuple]  # the score transforms, product first: (kind, value, node name)
+    key_path: list[Node]  # the nodes from the scores product's second operand back to K (transpose, casts, scales)
+
+
+def attention_core(w: View, pv: Node) -> Core | None:
+    """The decomposed attention whose ``p . V`` product is ``pv`` (the walk of :func:`recognize` from its
+    softmax back to ``q . K^T``), else None."""
+    got = softmax_of(w, pv)
+    if got is None or w.first(got[0]) is None or w.axis(got[0], "axes") is None:
+        return None
+    try:
+        mm1, ops = _to_scores(w, w.first(got[0]))  # type: ignore[arg-type]
+    except _Stop:
+        return None
+    key = _key_of_scores(w, mm1)
+    return None if key is None else Core(got[0], got[1], mm1, ops, key[3])
+
+
 def attention_outputs(graph: Graph) -> list[Node]:
     """The nodes whose first output is an attention's result, in graph order: every fused attention op
     (registered with role ``attention`` or ``attention+kv``), and every ``p . V`` product whose first operand a
     softmax makes (through casts): what validation captures, layer by layer."""
     w = View(graph)
     fused = ops_with(role="attention") | ops_with(role="attention+kv")
-    out = []
-    for n in graph.nodes:
-        if n.op in fused:
-            out.append(n)
-            continue
-        prod = product(w, n)
-        if prod is not None and not prod[2]:
-            src = w.node(through_casts(w, prod[0]))
-            if src is not None and src.op in SOFTMAX_OPS:
-                out.append(n)
-    return out
+    return [n for n in graph.nodes if n.op in fused or softmax_of(w, n) is not None]

@@ -27,12 +27,16 @@ _CONST_NODES, _CONST_SIZE = 32, 4096
 class View:
     """Who produces and who reads each slot of a built graph, its slots' names, and its constants."""
 
-    def __init__(self, graph: Graph, where: str = "") -> None:
+    def __init__(self, graph: Graph, where: str = "", nodes: list[Node] | None = None,
+                 constants: dict[int, Any] | None = None) -> None:
+        """``nodes`` / ``constants``: a plan's steps and values (the graph's nodes and constants by default)."""
         self.graph, self.where = graph, where or graph.filename
+        self.nodes = graph.nodes if nodes is None else nodes
+        self.constants = graph.constants if constants is None else constants
         self.producer: dict[int, Node] = {}
         self.readers: dict[int, list[Node]] = {}
         self.index: dict[str, int] = {}
-        for i, n in enumerate(graph.nodes):
+        for i, n in enumerate(self.nodes):
             self.index[n.name] = i
             for spec in n.inputs:
                 for s in slots_of(spec):
@@ -110,8 +114,8 @@ class View:
         few small nodes at most), else None."""
         if not isinstance(slot, int):
             return None
-        if slot in self.graph.constants:
-            return np.asarray(self.graph.constants[slot])
+        if slot in self.constants:
+            return np.asarray(self.constants[slot])
         if slot not in self._consts:
             self._consts[slot] = None
             try:
@@ -133,7 +137,7 @@ class View:
         todo = list(slots)
         while todo:
             s = todo.pop()
-            if s in given or s in self.graph.constants:
+            if s in given or s in self.constants:
                 continue
             n = self.producer.get(s)
             if n is None or n.prim.stateful or n.body is not None or n.prim.kernel is None:
@@ -146,12 +150,12 @@ class View:
             todo += [x for spec in n.inputs for x in slots_of(spec)]
             todo += [x for a in n.attrs.values() if isinstance(a, Lazy) for x in (a.reads or ())]
         v: list[Any] = [None] * self.graph.nslots
-        for s, arr in self.graph.constants.items():
+        for s, arr in self.constants.items():
             v[s] = arr
         for s, arr in given.items():
             v[s] = arr
         for i in sorted(need):
-            n = self.graph.nodes[i]
+            n = self.nodes[i]
             args = [_fetch(spec, v) for spec in n.inputs]
             if any(isinstance(a, np.ndarray) and a.size > _CONST_SIZE for a in args):
                 raise NotConstant(self.out(n))
