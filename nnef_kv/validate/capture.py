@@ -21,10 +21,10 @@ __all__ = ["fused_attention_ops", "attention_step_indices", "run_capturing"]
 
 
 def fused_attention_ops() -> frozenset[str]:
-    """The ops registered as attention (role ``attention`` or ``attention+kv``)."""
-    from ..interpreter.catalog import ops_with
+    """The ops registered as attention (role ``attention`` or ``attention+kv``): the recognizer's."""
+    from ..interpreter.plan.recognize import fused_attention_ops as fused
 
-    return ops_with(role="attention") | ops_with(role="attention+kv")
+    return fused()
 
 
 def attention_step_indices(plan: Any) -> list[int]:

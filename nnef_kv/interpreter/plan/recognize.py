@@ -36,7 +36,7 @@ from .kv_caches import DYN_CACHE_OP, SDPA_OP, Cache, cache_at, cache_source, fin
 from .view import PASSTHROUGH, NotConstant, View, product, through_casts
 
 __all__ = ["View", "Cache", "Found", "Miss", "Core", "recognize", "attention_core", "softmax_of", "find_caches",
-           "attention_outputs", "interpret", "DYN_CACHE_OP"]
+           "attention_outputs", "fused_attention_ops", "interpret", "DYN_CACHE_OP"]
 
 #: what the recognizer walks through, from the registry's facts (casts and copies: :data:`.view.PASSTHROUGH`)
 SOFTMAX_OPS = ops_having("softmax")
@@ -505,5 +505,10 @@ def attention_outputs(graph: Graph) -> list[Node]:
     (registered with role ``attention`` or ``attention+kv``), and every ``p . V`` product whose first operand a
     softmax makes (through casts): what validation captures, layer by layer."""
     w = View(graph)
-    fused = ops_with(role="attention") | ops_with(role="attention+kv")
+    fused = fused_attention_ops()
     return [n for n in graph.nodes if n.op in fused or softmax_of(w, n) is not None]
+
+
+def fused_attention_ops() -> frozenset[str]:
+    """The ops registered as an attention (role ``attention`` or ``attention+kv``)."""
+    return ops_with(role="attention") | ops_with(role="attention+kv")
