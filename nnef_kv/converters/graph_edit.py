@@ -25,6 +25,7 @@ from ..grammar import ast as A
 from ..grammar.ast import identifiers, rename
 from ..interpreter.attrs import BINARY_OPS, UNARY_OPS
 from ..interpreter.catalog import lookup, ops_having, ops_with
+from ..interpreter.params import bind_arguments, param_info
 
 #: NNEF's ``shape_of`` is an attribute builtin (no registered op): its one parameter, for :meth:`Node.arg`
 _BUILTIN_PARAMS: dict[str, tuple[str, ...]] = {"shape_of": ("x",)}
@@ -264,24 +265,16 @@ class GraphEdit:
     # -- fragment inlining ---------------------------------------------------------------------
     def inline(self, name: str, fragment: A.FragmentDecl) -> list[str]:
         """Replace the statement defining ``name`` (``out = fragment(args...)``) by the fragment's body,
-        its locals renamed ``{out}__{local}``, parameters bound to the arguments (defaults filled) and
-        operator expressions turned into invocations one statement each; returns the new names."""
+        its locals renamed ``{out}__{local}``, parameters bound to the arguments as the interpreter's builder
+        binds them (``params.bind_arguments``, defaults filled) and operator expressions turned into
+        invocations one statement each (the builder's ``BINARY_OPS`` / ``UNARY_OPS``); returns the new names."""
         n = self.producer[name]
         inv = n.inv
         assert inv is not None and fragment.body is not None
-        params = [p.name for p in fragment.params]
-        bound: dict[str, A.Expr] = {}
-        positional = [a for a in inv.args if a.name is None]
-        for p, a in zip(params, positional):
-            bound[p] = a.value
-        for a in inv.args:
-            if a.name is not None:
-                bound[a.name] = a.value
+        bound = bind_arguments(inv, param_info(fragment)[0])  # the builder's rule (tract's)
         for p in fragment.params:
-            if p.name not in bound:
-                if p.default is None:
-                    raise ConversionError(f"{self.where}: '{name}' calls {fragment.name} without '{p.name}'")
-                bound[p.name] = p.default
+            if bound.get(p.name) is None:
+                raise ConversionError(f"{self.where}: '{name}' calls {fragment.name} without '{p.name}'")
         outs = lhs_names(n.stmt.lhs)
         if len(outs) != len(fragment.results):
             raise ConversionError(f"{self.where}: '{name}' binds {len(outs)} results of {fragment.name}, which has "
