@@ -66,3 +66,13 @@ def test_converter_capture_and_plan_see_the_same_attentions(kv_heads: int):
     assert attention_step_indices(plan) == fused and len(fused) == cfg.layers
     assert [chain_members(plan.step_nodes[i])[-1].name for i in fused] == outputs
     assert all(np.isclose(f.scale, cfg.head_dim ** -0.5) for f in found)
+
+
+def test_an_op_the_interpreter_cannot_run_is_read_around():
+    """The converter builds its graph to read it, not to run it: an unknown op after the attention is an opaque
+    node (as before the recognizer moved to the built graph, the archive still converts)."""
+    from nnef_kv.converters import convert
+
+    text = attention_graph().replace("  y = matmul(p, ov);\n", "  y0 = matmul(p, ov);\n  y = frobnicate(y0);\n")
+    _, report = convert(Model.from_text(text), "kivi", bits=8)
+    assert [a.split(" (")[0] for a in report.attentions] == ["plain attention -> 'y0'"]
