@@ -11,8 +11,9 @@ from typing import Any
 
 from ..errors import ConversionError
 from ..grammar import ast as A
-from .attention import DYN_CACHE_OP, PASSTHROUGH, REPEAT_OPS, AttentionBlock, CacheSource, _cache_at, _product
-from .graph_edit import GraphEdit, int_list, static_value
+from ..interpreter.plan import recognize as R
+from .attention import AttentionBlock, CacheSource, _Unnamed, cache_names, view_of
+from .graph_edit import GraphEdit, static_value
 
 
 _KEY_WORDS = ("key", "_k_", "k_cache", "keys")
@@ -29,47 +30,26 @@ def _role_by_name(*names: str | None) -> str:
     return ""
 
 
-def _role_by_use(g: GraphEdit, name: str) -> str:
-    """``key`` when the cache reaches the second operand of a scores-like product (transposed), ``value``
-    when it reaches the second operand of p . V, through the GQA repeat and casts; else ''."""
-    frontier = [name]
-    seen: set[str] = set()
-    while frontier:
-        cur = frontier.pop()
-        if cur in seen:
-            continue
-        seen.add(cur)
-        for u in g.users(cur):
-            if u.op in REPEAT_OPS + PASSTHROUGH:
-                frontier.extend(u.names)
-            elif u.op == "transpose" and int_list(u.arg("axes")) == [0, 1, 3, 2]:
-                return "key"
-            elif u.op == "tract_transformers_sdpa":
-                return "key" if u.arg_name("k") == cur else "value" if u.arg_name("v") == cur else ""
-            else:
-                prod = _product(u)
-                if prod is not None and prod[1] == cur:
-                    return "key" if prod[2] else "value"
-    return ""
-
-
 def find_caches(g: GraphEdit, blocks: list[AttentionBlock] | None = None) -> list[CacheSource]:
-    """Every KV cache of the graph whatever the attention around it: ``concat([graph input, new],
-    axis = 2)`` and ``tract_transformers_dyn_kv_cache``, each with its role (key / value) from the
+    """Every KV cache of the graph whatever the attention around it (the recognizer's
+    :func:`~nnef_kv.interpreter.plan.recognize.find_caches`), each with its role (key / value) from the
     recognised attention, else from its names, else from how it is used."""
     known = {}
     for b in blocks or []:
         known[b.key.full] = "key"
         known[b.value.full] = "value"
+    w = view_of(g)
     out: list[CacheSource] = []
-    for n in g.nodes:
-        src = _cache_at(g, n.name, f"{g.where}: cache '{n.name}'", "") if n.op in ("concat", DYN_CACHE_OP) else None
-        if src is None:
+    for c, by_use in R.find_caches(w):
+        try:
+            src = cache_names(g, w, c)
+        except _Unnamed:  # a cache the graph body does not name: not one the converter can replace
             continue
-        role = known.get(src.full) or _role_by_name(src.past, src.full, n.arg("name").value if isinstance(
-            n.arg("name"), A.StringLiteral) else None) or _role_by_use(g, src.full)
+        label = c.node.attrs.get("name")
+        role = known.get(src.full) or _role_by_name(src.past, src.full, label if isinstance(label, str) else None) \
+            or by_use
         if not role:
-            raise ConversionError(f"{g.where}: cache '{src.full}' ({n.op}): cannot tell whether it holds keys or "
+            raise ConversionError(f"{g.where}: cache '{src.full}' ({c.node.op}): cannot tell whether it holds keys or "
                                   f"values (from the attention, its names or its use)")
         src.role = role
         out.append(src)

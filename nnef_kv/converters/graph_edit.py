@@ -2,8 +2,11 @@
 
 The AST is immutable; :class:`GraphEdit` keeps the graph body as a Python list of
 :class:`~nnef_kv.grammar.ast.Assignment` and offers what the passes need: who defines a name,
-who reads it, argument lookup by parameter name or position, scalar constant folding, dead-code
-elimination, and building new invocations. :meth:`GraphEdit.document` gives the edited document.
+who reads it, argument lookup by parameter name or position, dead-code elimination, inlining a
+document fragment's call (operators written as the interpreter's builder reads them), and building new
+invocations. What the statements compute (an attention, a constant) is the interpreter's to say: the
+converter builds the document (:func:`nnef_kv.converters.attention.view_of`) and asks the one recognizer.
+:meth:`GraphEdit.document` gives the edited document.
 
 Names must be defined once for the passes to reason about them; torch-to-nnef exports re-assign
 some names (``x_shape = tract_core_shape_of(x);`` written again further down), which tract
@@ -20,7 +23,9 @@ import numpy as np
 from ..errors import ConversionError
 from ..grammar import ast as A
 from ..grammar.ast import identifiers, rename
+from ..interpreter.attrs import BINARY_OPS, UNARY_OPS
 from ..interpreter.catalog import lookup, ops_having, ops_with
+from ..core.params import bind_arguments, param_info
 
 #: NNEF's ``shape_of`` is an attribute builtin (no registered op): its one parameter, for :meth:`Node.arg`
 _BUILTIN_PARAMS: dict[str, tuple[str, ...]] = {"shape_of": ("x",)}
@@ -39,8 +44,6 @@ def stateful_ops() -> frozenset[str]:
 
 #: the sources that declare graph inputs (the ``input`` fact)
 SOURCE_OPS = ops_having("input")
-#: ops whose value on a one-element operand is that element (a cast, a copy, a reshape)
-_SCALAR_SAME = ops_having("view") | ops_having("passthrough")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -262,24 +265,16 @@ class GraphEdit:
     # -- fragment inlining ---------------------------------------------------------------------
     def inline(self, name: str, fragment: A.FragmentDecl) -> list[str]:
         """Replace the statement defining ``name`` (``out = fragment(args...)``) by the fragment's body,
-        its locals renamed ``{out}__{local}``, parameters bound to the arguments (defaults filled) and
-        operator expressions turned into invocations one statement each; returns the new names."""
+        its locals renamed ``{out}__{local}``, parameters bound to the arguments as the interpreter's builder
+        binds them (``params.bind_arguments``, defaults filled) and operator expressions turned into
+        invocations one statement each (the builder's ``BINARY_OPS`` / ``UNARY_OPS``); returns the new names."""
         n = self.producer[name]
         inv = n.inv
         assert inv is not None and fragment.body is not None
-        params = [p.name for p in fragment.params]
-        bound: dict[str, A.Expr] = {}
-        positional = [a for a in inv.args if a.name is None]
-        for p, a in zip(params, positional):
-            bound[p] = a.value
-        for a in inv.args:
-            if a.name is not None:
-                bound[a.name] = a.value
+        bound = bind_arguments(inv, param_info(fragment)[0])  # the builder's rule (tract's)
         for p in fragment.params:
-            if p.name not in bound:
-                if p.default is None:
-                    raise ConversionError(f"{self.where}: '{name}' calls {fragment.name} without '{p.name}'")
-                bound[p.name] = p.default
+            if bound.get(p.name) is None:
+                raise ConversionError(f"{self.where}: '{name}' calls {fragment.name} without '{p.name}'")
         outs = lhs_names(n.stmt.lhs)
         if len(outs) != len(fragment.results):
             raise ConversionError(f"{self.where}: '{name}' binds {len(outs)} results of {fragment.name}, which has "
@@ -361,61 +356,6 @@ class GraphEdit:
         g = A.GraphDecl(self.graph_name, tuple(self.inputs), tuple(self.outputs), tuple(self.body))
         return replace(self.doc, extensions=tuple(self.extensions), graph=g)
 
-    # -- constants -----------------------------------------------------------------------------
-    def scalar_const(self, e: A.Expr | str | None, depth: int = 0) -> float | None:
-        """The value of a scalar constant expression or name (literals, variables of one element,
-        casts/reshapes of those, sqrt/rsqrt/neg/rcp, + - * /), else None."""
-        if e is None or depth > 32:
-            return None
-        if isinstance(e, str):
-            e = A.Identifier(e)
-        if isinstance(e, (A.IntegerLiteral, A.ScalarLiteral)) and not isinstance(e.value, bool):
-            return float(e.value)
-        if isinstance(e, A.ArrayExpr):
-            vals = np.asarray(static_value(e) or [], dtype=object).ravel() if static_value(e) is not None else None
-            return float(vals[0]) if vals is not None and vals.size == 1 else None
-        if isinstance(e, A.UnaryExpr) and e.op == "-":
-            v = self.scalar_const(e.operand, depth + 1)
-            return -v if v is not None else None
-        if isinstance(e, A.BinaryExpr) and e.op in "+-*/":
-            a, b = self.scalar_const(e.left, depth + 1), self.scalar_const(e.right, depth + 1)
-            return _arith(e.op, a, b)
-        if isinstance(e, A.Identifier):
-            n = self.producer.get(e.name)
-            if n is None:
-                return None
-            if n.inv is None:
-                return self.scalar_const(n.stmt.rhs, depth + 1)
-            return self._const_node(n, depth)
-        if isinstance(e, A.Invocation):
-            return self._const_node(Node(-1, [], A.Assignment(A.Identifier("_"), e)), depth)
-        return None
-
-    def _const_node(self, n: Node, depth: int) -> float | None:
-        op = n.op
-        if op == "variable":
-            label = n.arg("label")
-            if not isinstance(label, A.StringLiteral):
-                return None
-            t = self.tensors.get(label.value, self.tensors.get(label.value.lstrip("/")))
-            if t is None:
-                return None
-            arr = np.asarray(t)
-            return float(arr.ravel()[0]) if arr.size == 1 else None
-        if op == "constant":
-            v = static_value(n.arg("value")) if n.arg("value") is not None else None
-            arr = np.asarray(v, dtype=np.float64).ravel() if v is not None else np.zeros(0)
-            return float(arr[0]) if arr.size == 1 else None
-        prim = lookup(op)
-        if prim is None:
-            return None
-        if op in _SCALAR_SAME:  # a cast, copy or reshape of a scalar is that scalar
-            return self.scalar_const(n.arg(prim.params[0]), depth + 1)
-        if prim.scalar is not None and len(prim.params) in (1, 2):  # the op's own rule on numbers
-            vals = [self.scalar_const(n.arg(p), depth + 1) for p in prim.params]
-            return None if any(v is None for v in vals) else prim.scalar(*vals)
-        return None
-
     # -- declarations --------------------------------------------------------------------------
     def declared_shape(self, name: str) -> list[A.Expr] | None:
         """The ``shape`` of an ``external``/``tract_core_external`` declaration, as expressions."""
@@ -425,10 +365,6 @@ class GraphEdit:
         s = n.arg("shape")
         return list(s.items) if isinstance(s, A.ArrayExpr) else None
 
-
-_BINARY_OPS = {"+": "add", "-": "sub", "*": "mul", "/": "div", "^": "pow", "<": "lt", ">": "gt", "<=": "le",
-               ">=": "ge", "==": "eq", "!=": "ne", "&&": "and", "||": "or"}
-_UNARY_OPS = {"-": "neg", "!": "not"}
 
 
 def _substitute(e: Any, bound: dict[str, A.Expr], mapping: dict[str, str]) -> Any:
@@ -453,12 +389,12 @@ def _flatten(lhs: A.Expr, rhs: A.Expr, taken: set[str], fresh) -> list[A.Assignm
             return A.ArrayExpr(tuple(hoist(x) for x in e.items))
         return e
 
-    if isinstance(rhs, A.BinaryExpr) and rhs.op in _BINARY_OPS:
+    if isinstance(rhs, A.BinaryExpr) and rhs.op in BINARY_OPS:
         rhs = A.Invocation(
-            _BINARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.left)), A.Argument(None, hoist(rhs.right)))
+            BINARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.left)), A.Argument(None, hoist(rhs.right)))
         )
-    elif isinstance(rhs, A.UnaryExpr) and rhs.op in _UNARY_OPS:
-        rhs = A.Invocation(_UNARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.operand)),))
+    elif isinstance(rhs, A.UnaryExpr) and rhs.op in UNARY_OPS:
+        rhs = A.Invocation(UNARY_OPS[rhs.op], None, (A.Argument(None, hoist(rhs.operand)),))
     elif isinstance(rhs, A.Invocation):
         args = tuple(A.Argument(a.name, hoist(a.value) if a.name is None or a.name == "inputs" else a.value)
                      for a in rhs.args)
@@ -466,14 +402,3 @@ def _flatten(lhs: A.Expr, rhs: A.Expr, taken: set[str], fresh) -> list[A.Assignm
     out.append(A.Assignment(lhs, rhs))
     return out
 
-
-def _arith(op: str, a: float | None, b: float | None) -> float | None:
-    if a is None or b is None:
-        return None
-    if op == "+":
-        return a + b
-    if op == "-":
-        return a - b
-    if op == "*":
-        return a * b
-    return a / b if b != 0 else None

@@ -38,7 +38,8 @@ from ..errors import ConversionError
 from ..grammar import ast as A
 from ..interpreter.catalog import extensions_for, ops_with
 from .schemes import SCHEMES, AttentionSite, CacheSite, Scheme
-from .attention import DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention
+from ..interpreter.plan.recognize import SOFTMAX_OPS, recognize
+from .attention import DYN_CACHE_OP, LOOKED_FOR, AttentionBlock, CacheSource, Miss, find_attention, statement, view_of
 from .caches import find_caches
 from .folded import rewrite as rewrite_folded
 from .graph_edit import GraphEdit, Node, identifiers, int_list, invocation, static_value
@@ -184,8 +185,9 @@ def _static_dim(e: A.Expr | None) -> int | None:
 
 # ----------------------------------------------------------------------------------------------
 class NormalizePass:
-    """One definition per name, and document fragments that hold an attention (a softmax) inlined, so
-    the attention is visible in the graph body (torch-to-nnef writes some f16 attentions as a fragment)."""
+    """One definition per name, and the calls of document fragments holding an attention (the recognizer follows
+    a softmax inside their expansion) inlined, so the converter can edit it (torch-to-nnef writes some f16
+    attentions as a fragment)."""
 
     name = "normalize"
 
@@ -198,14 +200,18 @@ class NormalizePass:
             after = [n.name for n in g.nodes]
             rep.nodes_replaced = [f"{a} -> {b}" for a, b in zip(before, after) if a != b]
             rep.notes.append(f"{k} re-assigned names given a name of their own (values unchanged)")
-        frags = {f.name: f for f in g.doc.fragments if f.body is not None and _holds_softmax(f, g.doc)}
-        calls = [n.name for n in g.nodes if n.op in frags]
-        for name in calls:
-            op = g.producer[name].op
-            g.inline(name, frags[op])  # type: ignore[index]
-            rep.nodes_replaced.append(f"{name}: {op}(...) inlined")
+        frags = {f.name: f for f in g.doc.fragments if f.body is not None}
+        calls: list[tuple[str, str]] = []
+        for _ in range(8):  # a fragment's attention may sit in a fragment it calls: one level a round
+            now = [(name, g.producer[name].op or "") for name in _attention_calls(g, frags)]
+            for name, op in now:
+                g.inline(name, frags[op])
+                rep.nodes_replaced.append(f"{name}: {op}(...) inlined")
+            calls += now
+            if not now:
+                break
         if calls:
-            names = ', '.join(sorted({g.op_of(c) or '' for c in calls} - {''}) or sorted(frags))
+            names = ', '.join(sorted({op for _, op in calls}))
             rep.notes.append(f"{len(calls)} call(s) of attention fragments ({names}) "
                              "inlined into the graph")
         probe = GraphEdit(g.document(), g.tensors, g.where)
@@ -215,15 +221,19 @@ class NormalizePass:
         return rep
 
 
-def _holds_softmax(frag: A.FragmentDecl, doc: A.Document, depth: int = 0) -> bool:
-    inner = {f.name: f for f in doc.fragments if f.body is not None}
-    for st in frag.body or ():
-        for inv in A.invocations(st.rhs):
-            if inv.name == "softmax":
-                return True
-            if inv.name in inner and depth < 8 and _holds_softmax(inner[inv.name], doc, depth + 1):
-                return True
-    return False
+def _attention_calls(g: GraphEdit, frags: dict[str, A.FragmentDecl]) -> list[str]:
+    """The statements calling a document fragment inside which the recognizer follows an attention's softmax
+    (found or missed), in graph order: what must be inlined for the converter to edit it."""
+    w = view_of(g)
+    found, misses = recognize(w)
+    inside = {f.softmax.name for f in found if f.softmax is not None} | {m.around for m in misses}
+    out = []
+    for name in inside:
+        node = w.nodes[w.index[name]] if name in w.index else None
+        st = statement(name)
+        if node is not None and node.op in SOFTMAX_OPS and st != name and g.op_of(st) in frags:
+            out.append(st)
+    return sorted(set(out), key=lambda x: g.producer[x].index)
 
 
 def _check_scheme(ctx: ConversionContext, b: AttentionBlock) -> None:

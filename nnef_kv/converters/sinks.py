@@ -2,11 +2,12 @@
 
 GPT-OSS appends one learned logit per query head to the scores before the softmax and drops that column
 after it (``concat([scores, sinks], axis = 3) -> softmax -> slice [0, -1)``): the softmax's normaliser
-gains ``exp(sink)``, no value is read for it. :mod:`.attention` finds the column; this module evaluates it
-with the interpreter on its own (its cone, :func:`.masks.cone_document`, as masks are read) at two (S, P)
-bindings and with random inputs, and accepts it only as a ``[B, Hq, S, 1]`` tensor holding one constant per query head
-(the same at every query, binding and input). The per-head values become the fused op's ``sink_logits``;
-anything else is left as an unsupported score transform, which the converter refuses naming the node.
+gains ``exp(sink)``, no value is read for it. The recognizer (:mod:`nnef_kv.interpreter.plan.recognize`)
+finds the column; this module evaluates it with the interpreter on its own (its cone,
+:func:`.masks.cone_document`, as masks are read) at two (S, P) bindings and with random inputs, and accepts
+it only as a ``[B, Hq, S, 1]`` tensor holding one constant per query head (the same at every query, binding
+and input). The per-head values become the fused op's ``sink_logits``; anything else is left as an
+unsupported score transform, which the converter refuses naming the node.
 """
 from __future__ import annotations
 
@@ -15,50 +16,11 @@ from typing import Any
 import numpy as np
 
 from ..errors import NnefKvError, clip
-from ..grammar import ast as A
-from .graph_edit import GraphEdit, Node, int_list, static_value
+from .graph_edit import GraphEdit
 from .masks import _evaluate, _plan, cone_document, length_symbols
 
 #: the (S, P) bindings the column is evaluated at
 BINDINGS = ((3, 5), (2, 29))
-
-
-# ---------------------------------------------------------------------------------------------- the form
-def stabilized(g: GraphEdit, n: Node) -> tuple[tuple, str] | None:
-    """``sub(x, max_reduce(x, axes = [last]))`` right before the softmax: ``(("stabilize", ...), x)``."""
-    if n.op != "sub":
-        return None
-    x, m = n.arg_name("x"), g.node(n.arg_name("y"))
-    if x is None or m is None or m.op != "max_reduce" or m.arg_name("input") != x:
-        return None
-    axes = int_list(m.arg("axes"))
-    return (("stabilize", None, n.name), x) if axes in ([3], [-1]) else None
-
-
-def sink_concat(n: Node) -> tuple[tuple, str] | None:
-    """``concat([scores, column], axis = last)`` before the softmax (GPT-OSS's sinks): ``(("sinks", column,
-    ...), scores)``; what the column holds is read by evaluating it (:mod:`.sinks`)."""
-    if n.op != "concat":
-        return None
-    values = n.arg("values")
-    axis = static_value(n.arg("axis")) if n.arg("axis") is not None else None
-    if axis not in (3, -1) or not isinstance(values, A.ArrayExpr) or len(values.items) != 2 \
-            or not all(isinstance(v, A.Identifier) for v in values.items):
-        return None
-    scores, column = values.items
-    return ("sinks", column.name, n.name), scores.name
-
-
-def drops_last_column(n: Node) -> bool:
-    """A slice of the last axis keeping ``[0, -1)``: the sink column dropped after the softmax."""
-    if n.op == "slice":
-        axes, begin, end = int_list(n.arg("axes")), int_list(n.arg("begin")), int_list(n.arg("end"))
-        stride = int_list(n.arg("stride")) if n.arg("stride") is not None else [1]
-        return axes in ([3], [-1]) and begin == [0] and end == [-1] and stride == [1]
-    if n.op == "dyn_slice":  # torch-to-nnef's fragment (axis, begin, end, stride scalars)
-        vals = [static_value(n.arg(k)) if n.arg(k) is not None else None for k in ("axis", "begin", "end", "stride")]
-        return vals[0] in (3, -1) and vals[1] == 0 and vals[2] == -1 and vals[3] in (1, None)
-    return False
 
 
 def _read(g: GraphEdit, columns: list[str], query: str | None, past: str | None

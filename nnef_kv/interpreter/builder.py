@@ -37,7 +37,7 @@ class GraphBuilder(AttributeEvaluator, QuantMixin, NestedMixin, SourceMixin):
     MAX_DEPTH = 64
     def __init__(self, document: A.Document, tensors: dict[str, Any] | None = None,
                  quantization: Any = None, filename: str = "graph.nnef",
-                 submodel: Callable[[str], Any] | None = None) -> None:
+                 submodel: Callable[[str], Any] | None = None, opaque: bool = False) -> None:
         if document.graph is None:
             raise GraphError(f"{filename}: the document has no graph")
         self.doc = document
@@ -68,6 +68,9 @@ class GraphBuilder(AttributeEvaluator, QuantMixin, NestedMixin, SourceMixin):
         self.names_used: dict[str, int] = {}
         self.tensor_names: dict[str, int] = {}
         self.submodel = submodel  # label -> Model, for tract_core_submodel
+        #: an unknown op becomes a node that cannot run (reading its tensor arguments, one result a name) instead
+        #: of an error: a graph built to be read, not run (the converter's recognizer)
+        self.opaque = opaque
         self.slot_quant: dict[int, dict[str, Any]] = {}  # slots holding graph.quant values -> their params
         #: the limits in force when the builder was made (session.get_plan builds under the model's limits);
         #: run-time (Lazy) evaluations apply them too
@@ -269,6 +272,8 @@ class GraphBuilder(AttributeEvaluator, QuantMixin, NestedMixin, SourceMixin):
             # cast to the type graph.quant gives: the fake-quantize node added after it does the work
             inv = A.Invocation("copy", None, inv.args[:1], pos=inv.pos)
         prim = lookup(inv.name)
+        if prim is None and self.opaque:
+            return self._opaque(inv, ctx, qual, lhs)
         if prim is None:
             raise UnknownOpError(
                 f"{self.loc(inv.pos)}: unknown operation '{inv.name}' (node '{qual}')")
@@ -346,6 +351,16 @@ class GraphBuilder(AttributeEvaluator, QuantMixin, NestedMixin, SourceMixin):
         self.nodes.append(Node(self.unique(name), op, prim, ins, attrs, spec, self.loc(pos)))
         return outs
 
+    def _opaque(self, inv: A.Invocation, ctx: _Ctx, qual: str, lhs: A.Expr | None) -> list[Any]:
+        """An unknown op as a node reading its tensor arguments (``opaque`` builds only)."""
+        ins: list[int] = []
+        for a in inv.args:
+            if self._tensorish(a.value, ctx):
+                v = self.tensor_value(a.value, ctx, qual)
+                ins += [x.slot for x in (v if isinstance(v, list) else [v]) if isinstance(x, TRef)]
+        n = len(self._lhs_names(lhs)) if lhs is not None else 1
+        return [TRef(s) for s in self._add_node(inv.name, _OPAQUE_PRIM, [ins], {}, n, qual, inv.pos)]
+
     def _expand(self, frag: A.FragmentDecl, inv: A.Invocation, ctx: _Ctx, qual: str) -> list[Any]:
         if ctx.depth >= self.MAX_DEPTH:
             raise GraphError(f"{self.loc(inv.pos)}: fragment '{frag.name}' nests too deep (recursive?)")
@@ -385,6 +400,18 @@ _UNPACK_PRIM = Primitive(
 )
 
 
+def _opaque_kernel(*_: Any, **__: Any) -> Any:
+    raise UnknownOpError("an operation nnef-kv does not know cannot run")
+
+
+_OPAQUE_PRIM = Primitive(
+    signature="fragment opaque(inputs: tensor<?>[]) -> (outputs: tensor<?>[]);",
+    registry="nnef_kv",
+    kernel=_opaque_kernel,
+    name="<opaque>",
+)
+
+
 def _as_list(a: Any) -> Any:
     return a if isinstance(a, (list, tuple)) else [a]
 
@@ -402,9 +429,10 @@ _LAZY_PRIM = Primitive(
 
 
 def build_graph(document: A.Document, tensors: dict[str, Any] | None = None, quantization: Any = None,
-                filename: str = "graph.nnef", submodel: Callable[[str], Any] | None = None) -> Graph:
-    """Build the :class:`Graph` of a document (see module docstring)."""
-    return GraphBuilder(document, tensors, quantization, filename, submodel).build()
+                filename: str = "graph.nnef", submodel: Callable[[str], Any] | None = None,
+                opaque: bool = False) -> Graph:
+    """Build the :class:`Graph` of a document (see module docstring; ``opaque``: see :class:`GraphBuilder`)."""
+    return GraphBuilder(document, tensors, quantization, filename, submodel, opaque).build()
 
 
 __all__ = ["Graph", "Node", "InputSpec", "TRef", "LRef", "Lazy", "build_graph", "bind_arguments", "to_py",

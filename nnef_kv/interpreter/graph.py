@@ -54,6 +54,7 @@ class InputSpec:
     dtype: np.dtype
     shape: list[Any]
     location: str
+    op: str = "external"  # the source op declaring it (``external``, ``tract_core_external``)
 
 
 @dataclass

@@ -74,7 +74,7 @@ class SourceMixin:
                     v = self.attr(it, ctx)
                     shape.append(v)
             slot = self.new_slot()
-            self.inputs.append(InputSpec(qual, slot, dt, shape, self.loc(inv.pos)))
+            self.inputs.append(InputSpec(qual, slot, dt, shape, self.loc(inv.pos), op))
             return TRef(slot)
         if op == "variable":
             label_e = arg("label")

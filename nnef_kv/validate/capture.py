@@ -1,13 +1,12 @@
 """Capture intermediate tensors of a session run: the output of every attention op, layer by layer.
 
-What counts as "an attention op" (in graph order, so the k-th one is layer k):
-
-* a fused attention node: ``nnef_kv_kivi_sdpa``, ``tract_transformers_quantized_kv_sdpa``,
-  ``tract_transformers_sdpa``, ``tract_transformers_window_kv_sdpa`` (its output ``[B, Hq, Sq, D]``);
-* a decomposed attention: a ``matmul`` whose first operand is a ``softmax`` (directly or through casts),
-  i.e. ``softmax(q k^T * scale + mask) @ v`` as exporters write it (same ``[B, Hq, Sq, D]`` tensor); when the
-  planner fused such a chain into one step (``plan/patterns.py``), that step (its first output is the
-  product's).
+What counts as "an attention op" is the one recognizer's rule
+(:func:`nnef_kv.interpreter.plan.recognize.attention_outputs`, in graph order, so the k-th one is layer k): a
+fused attention node (an op registered with role ``attention`` or ``attention+kv``: ``nnef_kv_kivi_sdpa``,
+``tract_transformers_quantized_kv_sdpa``, ``tract_transformers_sdpa``, ...; its output ``[B, Hq, Sq, D]``), or a
+decomposed attention's ``p . V`` product whose first operand a softmax makes (through casts), i.e.
+``softmax(q k^T * scale + mask) @ v`` as exporters write it (same ``[B, Hq, Sq, D]`` tensor); when the planner
+fused such a chain into one step (``plan/patterns.py``), that step (its first output is the product's).
 
 :func:`run_capturing` is ``Session.run(inputs, capture=nodes)`` for those nodes, with copies of what
 it captured.
@@ -20,58 +19,22 @@ import numpy as np
 
 __all__ = ["fused_attention_ops", "attention_step_indices", "run_capturing"]
 
+
 def fused_attention_ops() -> frozenset[str]:
-    """The ops registered as attention (role ``attention`` or ``attention+kv``)."""
-    from ..interpreter.catalog import ops_with
+    """The ops registered as attention (role ``attention`` or ``attention+kv``): the recognizer's."""
+    from ..interpreter.plan.recognize import fused_attention_ops as fused
 
-    return ops_with(role="attention") | ops_with(role="attention+kv")
-
-
-def _facts(name: str) -> frozenset[str]:
-    from ..interpreter.catalog import ops_having
-
-    return ops_having(name)
-
-
-def _out_slots(node: Any) -> list[int]:
-    slots: list[int] = []
-    for spec in node.outputs:
-        if isinstance(spec, int):
-            slots.append(spec)
-        elif isinstance(spec, tuple) and len(spec) == 2:
-            inner = spec[1]
-            slots.extend(inner if isinstance(inner, (list, tuple)) else [inner])
-        elif isinstance(spec, list):
-            slots.extend(spec)
-    return slots
+    return fused()
 
 
 def attention_step_indices(plan: Any) -> list[int]:
-    """Indices into ``plan.steps`` of the attention nodes, in execution order."""
-    producer: dict[int, Any] = {}
-    found: list[int] = []
-    fused = fused_attention_ops()
+    """Indices into ``plan.steps`` of the attention nodes, in execution order: the steps whose node (a fused
+    chain: its last member) the recognizer names an attention's output."""
     from ..interpreter.plan.chains import chain_members
+    from ..interpreter.plan.recognize import attention_outputs
 
-    for i, node in enumerate(plan.step_nodes):
-        members = chain_members(node) or (node,)
-        for m in members:
-            if m is members[-1] and _is_attention(m, fused, producer):
-                found.append(i)
-            for s in _out_slots(m):
-                producer[s] = m
-    return found
-
-
-def _is_attention(node: Any, fused: frozenset[str], producer: dict[int, Any]) -> bool:
-    if node.op in fused:
-        return True
-    if node.op == "matmul" and node.inputs and isinstance(node.inputs[0], int):
-        src = producer.get(node.inputs[0])
-        while src is not None and src.op in _facts("passthrough") and src.inputs and isinstance(src.inputs[0], int):
-            src = producer.get(src.inputs[0])
-        return src is not None and src.op in _facts("softmax")
-    return False
+    outputs = {n.name for n in attention_outputs(plan.graph)}
+    return [i for i, node in enumerate(plan.step_nodes) if (chain_members(node) or (node,))[-1].name in outputs]
 
 
 def run_capturing(session: Any, inputs: dict[str, Any], step_indices: list[int]

@@ -2,9 +2,9 @@
 views, pass-throughs, softmaxes, gathers, fresh results, shape-memo ops, ...) are facts declared by the
 ops (``registry.FACTS``, :func:`nnef_kv.core.registry.declare`) and asked of the registry
 (``catalog.ops_having``). No module outside the op families writes a collection of two or more
-registered op names, except a recognizer's pattern marked ``# op pattern`` (the arithmetic an attention's
-scores may go through; they go with the one attention recognizer) and words that merely coincide with op
-names (``# not op names``)."""
+registered op names, except the one attention recognizer's patterns marked ``# op pattern`` (the arithmetic an
+attention's scores may go through; allowed in ``nnef_kv/interpreter/plan/recognize.py`` only) and words that
+merely coincide with op names (``# not op names``)."""
 from __future__ import annotations
 
 import ast
@@ -18,6 +18,8 @@ from conftest import REPO
 
 OP_MODULES = ("nnef_kv/interpreter/ops/", "nnef_kv/core/registry.py")
 MARKS = ("# op pattern", "# not op names")
+#: the one module whose lines may carry ``# op pattern``: the attention recognizer (issue 24 item 2)
+RECOGNIZER = "nnef_kv/interpreter/plan/recognize.py"
 
 
 def literal_op_collections(names: set[str]) -> list[str]:
@@ -42,6 +44,14 @@ def test_no_literal_collection_of_op_names_outside_the_op_modules():
     names = set(catalog.ops_with())
     assert len(names) > 150
     assert literal_op_collections(names) == []
+
+
+def test_op_patterns_live_in_the_one_recognizer():
+    """A recognizer's arithmetic is marked ``# op pattern`` in the attention recognizer only: no other module
+    matches attentions by op names."""
+    marked = sorted(path.relative_to(REPO).as_posix() for path in (REPO / "nnef_kv").rglob("*.py")
+                    if "# op pattern" in path.read_text())
+    assert marked == [RECOGNIZER]
 
 
 def test_the_scan_finds_a_literal_list(tmp_path, monkeypatch):

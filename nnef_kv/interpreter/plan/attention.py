@@ -1,5 +1,7 @@
 """The attention chain (grouped-query repeat included) and reshape/transpose view chains: matchers for
-:mod:`.patterns` (see there for what the fused forms guarantee)."""
+:mod:`.patterns` (see there for what the fused forms guarantee). What an attention is, is the one
+recognizer's (:func:`.recognize.attention_core`); :func:`match_attention` keeps the attentions whose form the
+fast step runs bit for bit, with every inner value read inside the chain alone."""
 from __future__ import annotations
 
 from typing import Any
@@ -12,6 +14,9 @@ from ..graph import Node
 from ..values import Lazy
 from .chains import Flow
 from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, reshaped, scalarish
+from .kv_caches import repeat_nodes
+from .recognize import attention_core
+from .view import View
 
 __all__ = ["match_attention", "match_views"]
 
@@ -20,35 +25,30 @@ __all__ = ["match_attention", "match_views"]
 # attention
 # ------------------------------------------------------------------------------------------------
 def _repeat_chain(w_: Walk, slot: int, reader: int) -> tuple[int, bool, Node, list[Node]] | None:
-    """The grouped-query repeat ``reshape+(tile(unsqueeze(kv, [2])))`` read only by ``reader``: (the slot
-    the chain reads, whether that is the unsqueezed ``[B, Hkv, 1, T, D]`` value, the tile, the reshapes in
-    order). The unsqueeze joins the chain when nothing else reads its value; torch-to-nnef also takes its
-    shape (``tract_core_shape_of``) for the tile's repeats: then it stays a step of its own (a view) and
-    the chain reads its output."""
-    mark = set(w_.members)
-    reshapes: list[Node] = []
-    cur, rd = slot, reader
-    while True:
-        got = w_.inner(cur, rd, "reshape")
-        if not got:
-            break
-        reshapes.insert(0, got[1])
-        cur, rd = got[1].inputs[0], got[0]
-    tl = reshapes and w_.inner(cur, rd, "tile")
-    if not tl or not isinstance(tl[1].inputs[0], int):
-        w_.members = mark
+    """The grouped-query repeat the recognizer follows K/V through (:func:`.kv_caches.repeat_nodes`) when it is
+    ``reshape+(tile(unsqueeze(kv, [2])))`` read only by ``reader``: (the slot the chain reads, whether that is
+    the unsqueezed ``[B, Hkv, 1, T, D]`` value, the tile, the reshapes in order). The unsqueeze joins the chain
+    when nothing else reads its value; torch-to-nnef also takes its shape (``tract_core_shape_of``) for the
+    tile's repeats: then it stays a step of its own (a view) and the chain reads its output."""
+    nodes = repeat_nodes(_view(w_.flow), slot)
+    at = next((i for i, n in enumerate(nodes) if n.op == "unsqueeze"), None)
+    if at is None or at < 2 or nodes[at - 1].op != "tile" or any(n.op != "reshape" for n in nodes[:at - 1]):
         return None
-    u_slot = tl[1].inputs[0]
-    un = w_.inner(u_slot, tl[0], "unsqueeze")
-    if un and un[1].attrs.get("axes") == [2] and isinstance(un[1].inputs[0], int):
-        return un[1].inputs[0], False, tl[1], reshapes
+    if nodes[at].attrs.get("axes") != [2] or nodes[at].prim.stateful or not isinstance(nodes[at].inputs[0], int):
+        return None
+    mark = set(w_.members)
+    cur, rd = slot, reader
+    for n in nodes[:at]:  # the reshapes and the tile, each read by the one before alone
+        got = _claim(w_, cur, rd, n)
+        if not got or not isinstance(n.inputs[0], int):
+            w_.members = mark
+            return None
+        cur, rd = n.inputs[0], got[0]
+    tile, reshapes = nodes[at - 1], nodes[:at - 1][::-1]
+    un = _claim(w_, cur, rd, nodes[at])
     if un:
-        w_.members.discard(un[0])
-    got = w_.flow.node_of(u_slot)
-    if got is not None and got[1].op == "unsqueeze" and got[1].attrs.get("axes") == [2] and not got[1].prim.stateful:
-        return u_slot, True, tl[1], reshapes
-    w_.members = mark
-    return None
+        return nodes[at].inputs[0], False, tile, reshapes
+    return cur, True, tile, reshapes
 
 
 def _repeats(kv: np.ndarray, tile: Node, reshapes: list[Node], v: list) -> int | None:
@@ -109,52 +109,74 @@ def _attend_rows(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, mv: np.ndarray |
     return np.matmul(s, vv[:, :, None]).reshape(b, hq, sq, vv.shape[3])
 
 
+def _view(flow: Flow) -> View:
+    """The recognizer's view of the planned steps (built once per pass)."""
+    got = getattr(flow, "view", None)
+    if got is None:
+        got = View(flow.graph, nodes=flow.nodes, constants={s: x for s, x in enumerate(flow.base) if x is not None})
+        flow.view = got  # type: ignore[attr-defined]
+    return got
+
+
+def _claim(w_: Walk, slot: Any, reader: int, node: Node | str) -> tuple[int, Node] | None:
+    """``node`` (or the node of that name), the producer of ``slot``, as a member read by ``reader`` alone (see
+    :meth:`.matching.Walk.inner`)."""
+    got = w_.flow.node_of(slot)
+    if got is None or not (got[1] is node or got[1].name == node):
+        return None
+    return w_.inner(slot, reader, got[1].op)
+
+
 def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
+    """The decomposed attention the recognizer (:func:`.recognize.attention_core`) finds at the ``p . V`` product
+    ``k``, in the form the fast step runs: ``matmul(q, K^T)`` (``transposeB`` or a ``transpose(K, [0, 1, 3, 2])``),
+    then at most a constant scale and then an additive mask, a softmax over one axis, at most a cast to f32,
+    each read by the next alone."""
     root = flow.nodes[k]
     if root.op != "matmul" or pair(root) is None or root.attrs.get("transposeA") or root.attrs.get("transposeB"):
+        return None
+    core = attention_core(_view(flow), root)
+    if core is None or len(core.forward) > 1 or core.product.op != "matmul" \
+            or [o[0] for o in core.ops] not in ([], ["mul"], ["mask"], ["mul", "mask"]):
         return None
     w_ = Walk(flow, taken)
     p_slot, v_slot = pair(root)
     p_slot, cast = w_.castis_f32(p_slot, k)
-    sm = w_.inner(p_slot, cast if cast is not None else k, "softmax")
+    if (cast is None) != (not core.forward):
+        return None
+    sm = _claim(w_, p_slot, cast if cast is not None else k, core.softmax)
     axes = sm and sm[1].attrs.get("axes")
     if not (sm and isinstance(axes, list) and len(axes) == 1 and type(axes[0]) is int):
         return None
     z, zr = sm[1].inputs[0], sm[0]
-    mask = None
-    mpos = 0
-    ad = w_.inner(z, zr, "add")
-    if ad and pair(ad[1]):
-        a0, a1 = pair(ad[1])
-        for mpos, (sc, mk) in enumerate(((a0, a1), (a1, a0))):
-            if flow.node_of(sc) is not None and flow.nodes[flow.producer[sc]].op in ("mul", "matmul"):  # op pattern
-                mask, z, zr = mk, sc, ad[0]
-                break
+    mask, mpos, scale, spos = None, 0, None, 0
+    for kind, val, name in reversed(core.ops):
+        got = _claim(w_, z, zr, name)
+        if not got or pair(got[1]) is None:
+            return None
+        a0, a1 = pair(got[1])
+        if kind == "mask":
+            mask, mpos = val, (0 if a1 == val else 1)
+            z = a0 if mpos == 0 else a1
         else:
-            return None
-    scale, spos = None, 0
-    mu = w_.inner(z, zr, "mul")
-    if mu and pair(mu[1]):
-        m0, m1 = pair(mu[1])
-        spos = 1 if flow.const(m1) is not None else 0 if flow.const(m0) is not None else -1
-        if spos < 0:
-            return None
-        scale = flow.const(m1 if spos == 1 else m0)
-        z, zr = (m0 if spos == 1 else m1), mu[0]
-    qk = w_.inner(z, zr, "matmul")
-    if not qk or pair(qk[1]) is None or qk[1].attrs.get("transposeA"):
+            spos = 1 if flow.const(a1) is not None else 0 if flow.const(a0) is not None else -1
+            if spos < 0:
+                return None
+            scale = flow.const(a1 if spos == 1 else a0)
+            z = a0 if spos == 1 else a1
+        zr = got[0]
+    qk = _claim(w_, z, zr, core.product)
+    if not qk or pair(qk[1]) is None:
         return None
     q_slot, kt_slot = pair(qk[1])
     if qk[1].attrs.get("transposeB"):
-        k_slot = kt_slot
-    else:
-        tr = w_.inner(kt_slot, qk[0], "transpose")
-        if not tr or tr[1].attrs.get("axes") != [0, 1, 3, 2]:
+        if core.key_path:
             return None
-        k_slot = tr[1].inputs[0]
-        kt_reader = tr[0]
-    if qk[1].attrs.get("transposeB"):
-        kt_reader = qk[0]
+        k_slot, kt_reader = kt_slot, qk[0]
+    elif len(core.key_path) == 1 and (tr := _claim(w_, kt_slot, qk[0], core.key_path[0])) is not None:
+        k_slot, kt_reader = tr[1].inputs[0], tr[0]
+    else:
+        return None
     krep = _repeat_chain(w_, k_slot, kt_reader)
     vrep = _repeat_chain(w_, v_slot, k)
     if (krep is None) != (vrep is None):
