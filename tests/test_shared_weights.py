@@ -102,3 +102,78 @@ def test_one_changed_weight_is_refused(pair, source) -> None:
     ref.tensors[label] = changed
     with pytest.raises(nnef_kv.InputError, match=f"its tensor '{label}' differs"):
         validate_model(model, ref, source, ValidateOptions(**OPTS))
+
+
+# -- compare's workers -------------------------------------------------------------------------------
+def _pss_module():
+    import importlib.util
+
+    from conftest import REPO
+
+    spec = importlib.util.spec_from_file_location("pss_peak", REPO / "tools" / "pss_peak.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.mark.skipif("fork" not in __import__("multiprocessing").get_all_start_methods(), reason="no fork here")
+def test_compare_jobs_2_holds_one_copy_of_the_weights(tmp_path) -> None:
+    """``compare --jobs 2``: the processes' summed PSS (a page shared by k processes counts 1/k in each: the
+    memory they cost together; summed RSS would count every shared page once per process) at most 1.3x the
+    largest single process's RSS (what one process holds, its shared pages in full). Before, each worker
+    unpickled its own copy of the model: about 3x (parent and two workers, 171 MiB of weights here)."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    cfg = DecoderConfig(vocab=32000, hidden=512, layers=4, heads=8, kv_heads=2, head_dim=64, mlp=1536, seed=3,
+                        cache="explicit")
+    path = tmp_path / "m.nnef.tar"
+    nnef_kv.save(build_decoder(cfg), path)
+    ids = tmp_path / "ids.txt"
+    ids.write_text("\n".join(str(int(i)) for i in np.random.default_rng(0).integers(0, cfg.vocab, 400)))
+    weights = sum(t.nbytes for t in nnef_kv.load(path).tensors.values())
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    env.pop("NNEF_KV_START_METHOD", None)
+    cmd = [sys.executable, "-m", "nnef_kv", "compare", str(path), "--ids", str(ids), "--schemes", "kivi:4,kivi:8",
+           "--context", "64", "--eval-tokens", "8", "--windows", "1", "--no-tract", "--jobs", "2"]
+    pss = _pss_module()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    with pss.PeakSampler(proc.pid, interval=0.02) as s:
+        out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, err
+    assert "2 forked workers" in out
+    peak = s.peak
+    assert peak["n"] >= 3  # the parent and its two workers were sampled
+    assert peak["max_rss"] > weights  # one process holds the weights ...
+    assert peak["pss"] <= 1.3 * peak["max_rss"], (peak, weights)  # ... and all of them together barely more
+
+
+def test_forked_and_spawned_workers_give_the_same_table(pair, source, monkeypatch) -> None:
+    from nnef_kv.validate.compare import CompareOptions, compare_model, parse_specs
+
+    f32, _ = pair
+    specs = parse_specs("kivi:4,kivi:2")
+    opts = CompareOptions(contexts=[64], eval_tokens=8, windows=1, tract=False)
+
+    def rows(method):
+        monkeypatch.setenv("NNEF_KV_START_METHOD", method)
+        rep = compare_model(nnef_kv.load(f32), source, specs, opts, jobs=2, show_progress=False)
+        assert f"{method}ed workers" in rep.runner
+        return [{k: v for k, v in r.to_dict(rep.contexts).items() if k != "seconds"} for r in rep.rows]
+
+    forked = rows("fork")
+    assert [r["status"] for r in forked] == ["measured", "measured"]
+    assert forked == rows("spawn")
+
+
+def test_start_method_is_checked(monkeypatch) -> None:
+    from nnef_kv.validate.jobs import start_method
+
+    monkeypatch.setenv("NNEF_KV_START_METHOD", "threads")
+    with pytest.raises(nnef_kv.InputError, match="NNEF_KV_START_METHOD='threads': one of"):
+        start_method()
+    monkeypatch.setenv("NNEF_KV_START_METHOD", "spawn")
+    assert start_method() == "spawn"
