@@ -177,3 +177,61 @@ def test_start_method_is_checked(monkeypatch) -> None:
         start_method()
     monkeypatch.setenv("NNEF_KV_START_METHOD", "spawn")
     assert start_method() == "spawn"
+
+
+# -- inspect's check ---------------------------------------------------------------------------------
+def _refuse_weight_preparation(monkeypatch) -> list[str]:
+    """Every way a plan prepares weights (transposes, joins, repacks or dequantizes them) raises; returns the
+    names patched."""
+    from nnef_kv.interpreter.plan import blockweights, weights
+
+    def boom(name):
+        def refuse(*a, **k):
+            raise AssertionError(f"the check prepared weights: {name}")
+        return refuse
+
+    names = []
+    for mod, name in ((weights, "_prepare_weight"), (weights, "rewrite_weights"), (weights, "fuse_projections"),
+                      (weights, "_fused"), (blockweights, "rewrite_block_product"), (blockweights, "materialize"),
+                      (blockweights, "fuse_block_projections")):
+        monkeypatch.setattr(mod, name, boom(name))
+        names.append(name)
+    return names
+
+
+@pytest.mark.parametrize("weights", ["f32", "q4_0"])
+def test_inspect_checks_without_preparing_weights(tmp_path, monkeypatch, capsys, weights) -> None:
+    from nnef_kv.cli import main
+    from nnef_kv.interpreter.check import check_model
+
+    cfg = DecoderConfig(**{**CFG.to_dict(), "weights": weights, "cache": "explicit"})
+    path = tmp_path / "m.nnef.tar"
+    nnef_kv.save(build_decoder(cfg), path)
+    _refuse_weight_preparation(monkeypatch)
+    assert main(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "check: graph built, one run on zeros of the declared inputs" in out and ": ok" in out
+    model = nnef_kv.load(path)
+    got = check_model(model)
+    assert "_nnef_kv_plan" not in vars(model)  # the check's plan is not the model's (not cached)
+    monkeypatch.undo()  # the same run on a session that prepares its weights: the same outputs
+    s = model.session()
+    feed = {i.name: np.zeros([1 if isinstance(d, str) else int(d) for d in i.shape], i.dtype) for i in s.plan.inputs}
+    want = s.run(feed)
+    assert got.outputs == [(k, str(np.asarray(v).dtype), list(np.shape(v))) for k, v in want.items()]
+
+
+def test_the_check_still_reports_a_weight_of_the_wrong_shape(monkeypatch) -> None:
+    from nnef_kv.interpreter.check import check_model
+    from nnef_kv.io.archive import Model
+
+    text = ("version 1.0;\n\ngraph G( x ) -> ( y )\n{\n  x = external<scalar>(shape = [1, 4]);\n"
+            "  w = variable<scalar>(shape = [3, 5], label = 'w');\n  y = linear(x, w);\n}\n")
+    model = Model.from_text(text, {"w": np.ones((3, 5), np.float32)}, source="bad")
+    with pytest.raises(nnef_kv.NnefKvError) as prepared:  # what a session that prepares its weights says
+        model.session().run({"x": np.zeros((1, 4), np.float32)})
+    _refuse_weight_preparation(monkeypatch)
+    with pytest.raises(nnef_kv.NnefKvError) as checked:
+        check_model(Model.from_text(text, {"w": np.ones((3, 5), np.float32)}, source="bad"))
+    assert str(checked.value) == str(prepared.value)
+    assert str(checked.value).startswith("bad/graph.nnef:7:7: node 'y' (linear): ValueError: matmul")

@@ -9,7 +9,9 @@ process and all its descendants, and prints the peak over the samples of:
   adds 1/k to each), so a memory-mapped weight or a copy-on-write page a forked worker inherited is not
   counted twice. This is the number that says what the processes cost the machine together;
 * ``Rss`` summed (what ``ps`` and ``/usr/bin/time``'s max RSS add up to: a shared page once per process);
-* the largest single process's ``Pss`` and ``Rss``.
+* the largest single process's ``Pss`` and ``Rss``;
+* ``Anonymous`` summed (memory no file backs: what the processes allocated, copy-on-write copies included;
+  the rest of RSS is file pages, e.g. a memory-mapped archive, which the kernel can drop and read again).
 
 Exits with the command's exit code. :func:`sample_tree` is importable (the tests use it)."""
 from __future__ import annotations
@@ -58,6 +60,7 @@ def sample_tree(pid: int) -> dict[str, Any]:
     """One sample: ``pss``/``rss`` summed over ``pid`` and its descendants, the largest process's, and ``n``."""
     rows = [r for r in (rollup(p) for p in children(pid)) if r]
     return {"pss": sum(r.get("Pss", 0) for r in rows), "rss": sum(r.get("Rss", 0) for r in rows),
+            "anon": sum(r.get("Anonymous", 0) for r in rows),
             "max_pss": max((r.get("Pss", 0) for r in rows), default=0),
             "max_rss": max((r.get("Rss", 0) for r in rows), default=0), "n": len(rows)}
 
@@ -69,7 +72,7 @@ class PeakSampler:
     def __init__(self, pid: int | None = None, interval: float = 0.05) -> None:
         self.pid = os.getpid() if pid is None else pid
         self.interval = interval
-        self.peak: dict[str, int] = {"pss": 0, "rss": 0, "max_pss": 0, "max_rss": 0, "n": 0}
+        self.peak: dict[str, int] = {"pss": 0, "rss": 0, "anon": 0, "max_pss": 0, "max_rss": 0, "n": 0}
         self.samples = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -110,7 +113,8 @@ def main(argv: list[str] | None = None) -> int:
     p = s.peak
     print(f"pss_peak: wall {time.perf_counter() - t0:.1f} s, {s.samples} samples, up to {p['n']} processes; "
           f"peak PSS sum {p['pss'] / mib:.0f} MiB, peak RSS sum {p['rss'] / mib:.0f} MiB, largest process "
-          f"PSS {p['max_pss'] / mib:.0f} MiB / RSS {p['max_rss'] / mib:.0f} MiB", file=sys.stderr)
+          f"PSS {p['max_pss'] / mib:.0f} MiB / RSS {p['max_rss'] / mib:.0f} MiB; peak anonymous sum "
+          f"{p['anon'] / mib:.0f} MiB", file=sys.stderr)
     return rc
 
 
