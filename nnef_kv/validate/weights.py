@@ -15,9 +15,15 @@ __all__ = ["check_same_model", "share_weights"]
 
 
 def _tensor_digest(x: Any) -> tuple:
+    """What identifies a tensor's value. A memory-mapped array's pages are released once read (the kernel
+    keeps them in its page cache): hashing both archives does not hold both in this process at once."""
+    from ..io.container import release_pages
+
     if isinstance(x, np.ndarray):
         a = np.ascontiguousarray(x)
-        return ("array", str(a.dtype), tuple(a.shape), hashlib.sha256(a.view(np.uint8).reshape(-1)).hexdigest())
+        got = ("array", str(a.dtype), tuple(a.shape), hashlib.sha256(a.view(np.uint8).reshape(-1)).hexdigest())
+        release_pages(x)
+        return got
     blocks = getattr(x, "blocks", None)
     if blocks is not None:  # block-quantized weights
         return (
