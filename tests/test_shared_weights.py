@@ -235,3 +235,17 @@ def test_the_check_still_reports_a_weight_of_the_wrong_shape(monkeypatch) -> Non
         check_model(Model.from_text(text, {"w": np.ones((3, 5), np.float32)}, source="bad"))
     assert str(checked.value) == str(prepared.value)
     assert str(checked.value).startswith("bad/graph.nnef:7:7: node 'y' (linear): ValueError: matmul")
+
+
+def test_the_round_trip_compares_tensors_in_chunks_bit_for_bit() -> None:
+    from nnef_kv.validate.roundtrip import _same_tensor
+
+    a = np.zeros(1000, np.float32)
+    assert _same_tensor(a, a.copy(), chunk=64)
+    b = a.copy()
+    b[-1] = np.float32(-0.0)  # equal as numbers, not as bits; in the last, partial chunk
+    assert not _same_tensor(a, b, chunk=64)
+    c, d = a.copy(), a.copy()
+    c.view(np.uint32)[500], d.view(np.uint32)[500] = 0x7FC00001, 0x7FC00002  # two NaN payloads
+    assert _same_tensor(c, c.copy(), chunk=64) and not _same_tensor(c, d, chunk=64)
+    assert not _same_tensor(a, a.reshape(10, 100), chunk=64)
