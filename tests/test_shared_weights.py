@@ -249,3 +249,15 @@ def test_the_round_trip_compares_tensors_in_chunks_bit_for_bit() -> None:
     c.view(np.uint32)[500], d.view(np.uint32)[500] = 0x7FC00001, 0x7FC00002  # two NaN payloads
     assert _same_tensor(c, c.copy(), chunk=64) and not _same_tensor(c, d, chunk=64)
     assert not _same_tensor(a, a.reshape(10, 100), chunk=64)
+
+
+def test_convert_checks_on_the_plan_the_converted_model_runs(pair) -> None:
+    """convert's own check (inspect's run on zeros) runs the converted model's prepared plan and leaves it
+    cached: compare's and auto-bits' jobs measure that model next, on that plan (checked on a throwaway
+    unprepared plan, each job would plan twice and read the weights the fused projections replace)."""
+    from nnef_kv.converters import convert
+
+    f32, _ = pair
+    converted = convert(nnef_kv.load(f32), scheme="kivi", bits=4, key_group=16, value_group=8, residual=16)[0]
+    cached = vars(converted).get("_nnef_kv_plan")
+    assert cached is not None and converted.session().plan is cached[1]

@@ -36,13 +36,16 @@ class CheckResult:
         return "\n".join([head] + [f"  {name}: {dtype} {shape}" for name, dtype, shape in self.outputs])
 
 
-def check_model(model: Any, symbol_value: int = SYMBOL_VALUE) -> CheckResult:
+def check_model(model: Any, symbol_value: int = SYMBOL_VALUE, prepare_weights: bool = False) -> CheckResult:
     """Build ``model``'s graph and run it once on zeros (see the module doc); raises the first error.
-    ``symbol_value``: the value of every symbol (default 1)."""
+    ``symbol_value``: the value of every symbol (default 1). ``prepare_weights``: run the model's own plan
+    instead (weights prepared, the plan cached on the model): for a caller that runs the model next, as
+    ``convert`` does for ``compare`` and auto-bits (the converted model measured in memory)."""
     SYMBOL_VALUE = symbol_value  # noqa: N806 - the module default, or the caller's
     from .session import Session
 
-    session = Session(model, threads=1, prepare_weights=False)  # the weights as the archive holds them
+    # default: a throwaway plan leaving the weights as the archive holds them
+    session = Session(model, threads=1, prepare_weights=prepare_weights)
     plan = session.plan
     g = plan.graph
     v = list(plan.base)
