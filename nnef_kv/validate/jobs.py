@@ -10,15 +10,15 @@ threading layer not started here): each worker inherits the shared input as it i
 model's weights (memory-mapped from a ``.tar`` or a folder, or read from a ``.tgz``) and the fused
 projections the reference's plan made, page for page, copy-on-write and never written, so ``--jobs N``
 holds one copy of the weights, not N + 1 (issue 26, ``compare --jobs 2`` on SmolLM2-135M f32, 514 MiB: the
-processes' PSS summed 793 MiB at its peak, 1.15x the largest process's RSS; spawned, each worker unpickling
-its own copy, 3189 MiB; docs/benchmarks.md). ``preload`` (``scipy.stats``) is imported before the fork for
-the same reason. The threads a worker
-does not inherit (the session's splitter, the kernels' pools) start anew in it
-(``os.register_at_fork`` in :mod:`nnef_kv.interpreter.plan.parallel` and :mod:`nnef_kv.kernels._kivi_jit`),
-and BLAS is held at one thread there. Elsewhere the workers are *spawned* (a fresh interpreter each, the
-shared input pickled to it), so a script calling :func:`~.compare.compare_model` or
-:func:`~.autobits.auto_bits` needs the usual ``if __name__ == "__main__":`` guard (the workers import the
-main module). ``$NNEF_KV_START_METHOD=spawn`` spawns them anywhere.
+processes' PSS summed 800-815 MiB at its peak, 1.17-1.18x the largest process's RSS; before, spawned workers
+each unpickling their own copy, 3189 MiB; docs/benchmarks.md). ``preload`` (``scipy.stats``) is imported before the
+fork for the same reason. The threads a worker does not inherit (the session's splitter, the kernels' pools)
+start anew in it (``os.register_at_fork`` in :mod:`nnef_kv.interpreter.plan.parallel` and
+:mod:`nnef_kv.kernels._kivi_jit`), and BLAS is held at one thread there. Elsewhere the workers are
+*spawned* (a fresh interpreter each, the shared input pickled to it), so a script calling
+:func:`~.compare.compare_model` or :func:`~.autobits.auto_bits` needs the usual
+``if __name__ == "__main__":`` guard (the workers import the main module). ``$NNEF_KV_START_METHOD=spawn``
+spawns them anywhere.
 """
 from __future__ import annotations
 
