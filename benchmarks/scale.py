@@ -20,6 +20,9 @@ printed with the ``uptime`` load average: other processes share this machine.
   archive takes minutes).
 * ``--rows products``: ``x @ W.T`` on the transposed view against a contiguous transposed copy (what
   the plan did before), BLAS on one thread.
+* ``--rows tools``: ``inspect``, ``convert`` to KIVI-4, ``validate`` of it against the archive and
+  ``compare --jobs 2`` / ``--jobs 1``, each command's processes sampled every 50 ms: the peak of their summed
+  PSS (shared pages counted once in all) and of the largest process's RSS (``tools/pss_peak.py``).
 
     python benchmarks/scale.py                      # every row (about 4-6 minutes on the 2-core VM)
     python benchmarks/scale.py --rows decode --steps 24
@@ -272,9 +275,52 @@ def product_rows() -> None:
             print(f"| {m} x {k} x {n} | {c * 1e6:.1f} | {v * 1e6:.1f} | {v / c:.2f} |", flush=True)
 
 
+# ------------------------------------------------------------------------------------------------ tools
+def tool_rows(folder: Path, tmp: Path, context: int, eval_tokens: int) -> None:
+    """``inspect``, ``validate`` (KIVI-4 against the f32 archive) and ``compare --jobs 2`` / ``--jobs 1`` on
+    the archive, each in its own processes: wall time, the peak over 50 ms samples of the processes' summed
+    PSS (a page shared by k processes counts 1/k in each: what they hold together) and the largest single
+    process's RSS (``tools/pss_peak.py``)."""
+    sys.path.insert(0, str(HERE.parent / "tools"))
+    from pss_peak import PeakSampler
+
+    ids = tmp / "ids.txt"
+    ids.write_text("\n".join(str(int(i)) for i in np.random.default_rng(7).integers(0, 49152, 4 * (context + 64))))
+    kivi = tmp / "kivi4.tar"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(HERE.parent), os.environ.get("PYTHONPATH", "")])}
+    nk = [sys.executable, "-m", "nnef_kv"]
+    measure = ["--ids", str(ids), "--context", str(context), "--eval-tokens", str(eval_tokens), "--windows", "1"]
+    cmds = [("inspect", nk + ["inspect", str(folder)]),
+            ("convert -> KIVI-4 .tar",
+             nk + ["convert", str(folder), "-o", str(kivi), "--scheme", "kivi", "--bits", "4"]),
+            ("validate KIVI-4 --reference f32 --no-parity",
+             nk + ["validate", str(kivi), "--reference", str(folder), "--no-parity"] + measure),
+            ("compare kivi:4,q8_0 --jobs 2 --no-tract", nk + ["compare", str(folder), "--schemes", "kivi:4,q8_0",
+                                                            "--no-tract", "--jobs", "2"] + measure),
+            ("compare kivi:4,q8_0 --jobs 1 --no-tract", nk + ["compare", str(folder), "--schemes", "kivi:4,q8_0",
+                                                            "--no-tract", "--jobs", "1"] + measure)]
+    size = folder.stat().st_size
+    print(f"\n## commands ({size / MIB:.0f} MiB of f32 weights; context {context}, {eval_tokens} predictions; "
+          f"{uptime()})")
+    print("| command | wall s | peak PSS, all processes, MiB | largest process RSS MiB | PSS / weights |")
+    print("|---|---|---|---|---|")
+    for name, cmd in cmds:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        with PeakSampler(proc.pid) as s:
+            _, err = proc.communicate()
+        if proc.returncode not in (0, 1):  # validate's exit 1: a check failed (random weights), still measured
+            raise SystemExit(f"{name}: exit {proc.returncode}: {err.strip().splitlines()[-1:]}")
+        p = s.peak
+        print(f"| {name} | {time.perf_counter() - t:.1f} | {p['pss'] / MIB:.0f} ({p['n']} processes) | "
+              f"{p['max_rss'] / MIB:.0f} | {p['pss'] / size:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", default="memory,decode,write,products", help="which rows, comma-separated")
+    ap.add_argument("--rows", default="memory,decode,write,products,tools", help="which rows, comma-separated")
+    ap.add_argument("--context", type=int, default=256, help="tools rows: validate's and compare's context")
+    ap.add_argument("--eval-tokens", type=int, default=32, help="tools rows: predictions measured")
     ap.add_argument("--layers", type=int, default=30, help="decoder layers (30: SmolLM2-135M)")
     ap.add_argument("--weights", choices=["f32", "q4_0"], default="f32",
                     help="the linear weights as f32 or as Q4_0 blocks (the embedding stays f32)")
@@ -308,6 +354,8 @@ def main() -> None:
             write_rows(model, folder, tmp, args.gzip_mib, not args.no_convert)
         if "products" in rows:
             product_rows()
+        if "tools" in rows:
+            tool_rows(folder, tmp, args.context, args.eval_tokens)
     print(f"\ndone; {uptime()}")
 
 

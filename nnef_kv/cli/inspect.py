@@ -10,8 +10,9 @@ from .words import note_lost_window
 def add_parser(sub: Any) -> None:
     sp = sub.add_parser("inspect", help="graph summary: inputs, outputs, op counts, parameter bytes, KV layout",
                         description="Builds the graph and runs it once on zeros of the declared inputs (every symbol "
-                                    "= 1) in a throwaway session: the first error is reported with its file:line:col "
-                                    "(exit 2); the outputs' dtypes and shapes are printed.")
+                                    "= 1) in a throwaway session that leaves the weights as the archive holds them "
+                                    "(none transposed, joined or dequantized for it): the first error is reported "
+                                    "with its file:line:col (exit 2); the outputs' dtypes and shapes are printed.")
     sp.add_argument("archive", help="NNEF folder, .tar, .tgz or graph.nnef")
     sp.add_argument("--no-check", action="store_true", help="the text summary only: no graph building, no check run")
 

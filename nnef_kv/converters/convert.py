@@ -149,16 +149,16 @@ def _check_runs(new_model: Any, model: Any, options: ConvertOptions, where: str)
     from ..errors import NnefKvError
     from ..interpreter.check import check_model
 
-    try:
-        check_model(new_model)
+    try:  # on the plan a session of the converted model will run (prepared and cached, as before issue 26)
+        check_model(new_model, prepare_weights=True)
     except NnefKvError as exc:
         try:
-            check_model(model)
+            check_model(model, prepare_weights=True)
         except NnefKvError:
             return
         for more in (2, 4):  # a failure of one-token runs only (hqq packs rows in pairs) is not refused
             try:
-                check_model(new_model, symbol_value=more)
+                check_model(new_model, symbol_value=more, prepare_weights=True)
                 return
             except NnefKvError:
                 pass

@@ -1,7 +1,9 @@
 """Check that a model is a graph nnef-kv can run: what ``nnef-kv inspect`` does before it prints a summary.
 
 The graph is built (undefined identifiers, unknown ops, ill-typed attributes and operands are refused with
-their ``file:line:col``), then run once, in a throwaway session, on zeros of the shapes and dtypes the graph
+their ``file:line:col``), then run once, in a throwaway session whose plan leaves the weights as the archive
+holds them (``prepare_weights=False``: nothing transposed, joined, repacked or dequantized for it, so a
+memory-mapped archive is read, not copied; issue 26), on zeros of the shapes and dtypes the graph
 declares for its inputs, every symbol bound to 1 (``S = 1``, ``P = 1``): a shape or dtype error (``add`` of
 ``[2]`` and ``[3]``, a reshape that cannot be) is then reported by the node it happens in, as the first
 run of the model would. What comes out is each output's dtype and shape at that binding.
@@ -34,11 +36,16 @@ class CheckResult:
         return "\n".join([head] + [f"  {name}: {dtype} {shape}" for name, dtype, shape in self.outputs])
 
 
-def check_model(model: Any, symbol_value: int = SYMBOL_VALUE) -> CheckResult:
+def check_model(model: Any, symbol_value: int = SYMBOL_VALUE, prepare_weights: bool = False) -> CheckResult:
     """Build ``model``'s graph and run it once on zeros (see the module doc); raises the first error.
-    ``symbol_value``: the value of every symbol (default 1)."""
+    ``symbol_value``: the value of every symbol (default 1). ``prepare_weights``: run the model's own plan
+    instead (weights prepared, the plan cached on the model): for a caller that runs the model next, as
+    ``convert`` does for ``compare`` and auto-bits (the converted model measured in memory)."""
     SYMBOL_VALUE = symbol_value  # noqa: N806 - the module default, or the caller's
-    session = model.session()
+    from .session import Session
+
+    # default: a throwaway plan leaving the weights as the archive holds them
+    session = Session(model, threads=1, prepare_weights=prepare_weights)
     plan = session.plan
     g = plan.graph
     v = list(plan.base)

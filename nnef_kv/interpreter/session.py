@@ -53,16 +53,20 @@ class Session:
     ``outputs = session.run({"input": x})`` returns a dict by output name in the graph's output order.
     """
 
-    def __init__(self, model: Any, state: str | os.PathLike | None = None, threads: int | None = None) -> None:
+    def __init__(self, model: Any, state: str | os.PathLike | None = None, threads: int | None = None, *,
+                 prepare_weights: bool = True) -> None:
         """``threads = 2``: large products by constant weights run as two column halves, one on a helper
         thread (:mod:`nnef_kv.interpreter.plan.parallel`); ``threads = 1``: everything on the calling thread;
         None (the default): the usable CPUs, at most 2. Whatever the value, BLAS itself runs on one thread
-        while the session runs (its own threads collapse on a loaded machine; see the thread policy there)."""
+        while the session runs (its own threads collapse on a loaded machine; see the thread policy there).
+        ``prepare_weights=False``: a throwaway session on a plan of its own that leaves the weights as the
+        archive holds them (nothing transposed, joined or dequantized for it; slower products): what
+        :func:`~nnef_kv.interpreter.check.check_model` runs."""
         self.threads = check_threads(threads)
         #: left at the default: a run goes on one thread while other processes hold the CPUs (plan/parallel.py)
         self.auto_threads = threads is None and not os.environ.get(THREADS_ENV)
         self.model = model
-        self.plan = get_plan(model)
+        self.plan = get_plan(model, prepare_weights=prepare_weights)
         self.states: list[KvState] = []
         self._stale: str | None = None  # set when a failed run could not be rolled back (see _rollback)
         for _, node in self.plan.stateful:

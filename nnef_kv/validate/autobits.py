@@ -264,6 +264,7 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
             layers: int, groups: list[range] | None = None) -> AutoBitsResult:
     from .compare import run_job
     from .jobs import run_tasks
+    from .statistics import preload
 
     from .compare import spec_windows
 
@@ -289,7 +290,7 @@ def _search(model: Any, source: Any, scheme: str, options: dict[str, Any], max_k
             rows, where[0] = run_tasks(run_job, sj, specs, [c.label for c in todo], jobs=jobs, ray=ray,
                                        steps=job_steps(copts, sj.contexts, len(sj.starts)),
                                        show_progress=show_progress, title=f"auto-bits ({stage})",
-                                       on_error=worker_died, keep_ray=True)
+                                       on_error=worker_died, keep_ray=True, preload=preload)
             for c, r in zip(todo, rows):
                 memo[key(c)] = r
         for c in cands:

@@ -422,9 +422,8 @@ def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options:
                   label: str = "<in memory>", jobs: int | None = None, ray: str | None = None,
                   names: dict[str, str] | None = None, show_progress: bool | None = None) -> CompareReport:
     """Measure every scheme of ``specs`` on ``model`` (the f32 Model) with the tokens of ``source``."""
-    from .jobs import connect_ray, run_tasks
-
-    from .jobs import Interrupted
+    from .jobs import Interrupted, connect_ray, run_tasks
+    from .statistics import preload
 
     o = options or CompareOptions()
     t0 = time.perf_counter()
@@ -438,7 +437,7 @@ def compare_model(model: Any, source: Any, specs: Sequence[SchemeSpec], options:
     try:
         rows, runner = run_tasks(run_job, job, list(specs), [s.text for s in specs], jobs=jobs, ray=ray,
                                  steps=job_steps(o, job.contexts, len(job.starts)), show_progress=show_progress,
-                                 title="compare", on_error=worker_died)
+                                 title="compare", on_error=worker_died, preload=preload)
     except Interrupted as stop:  # Ctrl-C: keep the rows measured
         interrupted, runner = True, stop.where
         rows = [r if r is not None else SchemeRow(sp.text, "failed", "not run: interrupted (Ctrl-C)", family=sp.scheme)

@@ -5,9 +5,20 @@ reference runs) goes to each worker once: the pool's initializer, or Ray's objec
 Both run every job in a worker with one BLAS/OpenMP thread, so both give the same numbers; results come
 back in the order of the jobs. Progress (on a terminal): one bar per job and an overall bar with its ETA.
 
-The pool's workers are *spawned* (a fresh interpreter each: no forked BLAS or numba thread state), so a
-script calling :func:`~.compare.compare_model` or :func:`~.autobits.auto_bits` needs the usual
-``if __name__ == "__main__":`` guard (the workers import the main module).
+The pool's workers are *forked* where the system can (Linux, macOS) and nothing makes it unsafe (numba's
+threading layer not started here): each worker inherits the shared input as it is in this process, the
+model's weights (memory-mapped from a ``.tar`` or a folder, or read from a ``.tgz``) and the fused
+projections the reference's plan made, page for page, copy-on-write and never written, so ``--jobs N``
+holds one copy of the weights, not N + 1 (issue 26, ``compare --jobs 2`` on SmolLM2-135M f32, 514 MiB: the
+processes' PSS summed 800-815 MiB at its peak, 1.17-1.18x the largest process's RSS; before, spawned workers
+each unpickling their own copy, 3189 MiB; docs/benchmarks.md). ``preload`` (``scipy.stats``) is imported before the
+fork for the same reason. The threads a worker does not inherit (the session's splitter, the kernels' pools)
+start anew in it (``os.register_at_fork`` in :mod:`nnef_kv.interpreter.plan.parallel` and
+:mod:`nnef_kv.kv.kivi._jit`), and BLAS is held at one thread there. Elsewhere the workers are
+*spawned* (a fresh interpreter each, the shared input pickled to it), so a script calling
+:func:`~.compare.compare_model` or :func:`~.autobits.auto_bits` needs the usual
+``if __name__ == "__main__":`` guard (the workers import the main module). ``$NNEF_KV_START_METHOD=spawn``
+spawns them anywhere.
 """
 from __future__ import annotations
 
@@ -15,13 +26,15 @@ import os
 import queue as _queue
 import threading
 import time
+import warnings
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Sequence
 
 from ..errors import InputError
 from ..progress import progress_enabled
 
-__all__ = ["run_tasks", "connect_ray", "shutdown_ray", "default_jobs", "THREAD_ENV", "Interrupted"]
+__all__ = ["run_tasks", "connect_ray", "shutdown_ray", "default_jobs", "start_method", "THREAD_ENV", "START_ENV",
+           "Interrupted"]
 
 
 class Interrupted(KeyboardInterrupt):
@@ -60,9 +73,38 @@ def _env(values: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _init_worker(shared: Any, q: Any) -> None:
+def _init_worker(shared: Any, q: Any, forked: bool = False) -> None:
     global _SHARED, _QUEUE
     _SHARED, _QUEUE = shared, q
+    if forked:  # BLAS was loaded before the fork: THREAD_ENV came too late for it
+        try:
+            from threadpoolctl import threadpool_limits
+        except ImportError:  # pragma: no cover - a dependency of the package
+            return
+        threadpool_limits(1)
+
+
+#: the environment variable choosing how the local pool starts its workers ("fork" or "spawn")
+START_ENV = "NNEF_KV_START_METHOD"
+
+
+def start_method() -> str:
+    """``fork`` (the workers share this process's pages: the model's weights are one copy) where the system has
+    it and numba's threading layer has not been started in this process (forking it is not safe), else
+    ``spawn``; ``$NNEF_KV_START_METHOD`` chooses."""
+    import multiprocessing as mp
+    import sys
+
+    given = os.environ.get(START_ENV, "").strip().lower()
+    methods = mp.get_all_start_methods()
+    if given:
+        if given not in ("fork", "spawn") or given not in methods:
+            raise InputError(f"{START_ENV}={given!r}: one of {', '.join(m for m in ('fork', 'spawn') if m in methods)}")
+        return given
+    par = sys.modules.get("numba.np.ufunc.parallel")
+    if "fork" not in methods or getattr(par, "_is_initialized", False):
+        return "spawn"
+    return "fork"
 
 
 def _pool_task(fn: Callable[..., Any], index: int, item: Any) -> Any:
@@ -136,11 +178,12 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
               labels: Sequence[str], *, jobs: int | None = None, ray: str | None = None, steps: int = 1,
               show_progress: bool | None = None, title: str = "jobs",
               on_error: Callable[[Any, BaseException], Any] | None = None,
-              keep_ray: bool = False) -> tuple[list[Any], str]:
+              keep_ray: bool = False, preload: Callable[[], None] | None = None) -> tuple[list[Any], str]:
     """``[fn(shared, item, tick) for item in items]``, run in parallel; returns the results (in order) and a
     description of where they ran. ``fn`` must be a module-level function (pickled by reference); it
     turns its own failures into results, and ``on_error(item, exc)`` gives the result of a job whose
-    worker died (a crashed process, a lost Ray node) -- without it that error is raised."""
+    worker died (a crashed process, a lost Ray node) -- without it that error is raised. ``preload()`` runs here
+    before the local pool's workers are forked (what every job would otherwise import on its own)."""
     items = list(items)
     show = progress_enabled() if show_progress is None else show_progress
     if ray is not None:
@@ -149,18 +192,23 @@ def run_tasks(fn: Callable[[Any, Any, Callable[[], None] | None], Any], shared: 
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
-    ctx = mp.get_context("spawn")
+    method = start_method()
+    if method == "fork" and preload is not None:
+        preload()
+    ctx = mp.get_context(method)
     q = ctx.Queue() if show else None
     results: list[Any] = [None] * len(items)
     with _env(THREAD_ENV), ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
-                                               initargs=(shared, q)) as ex:
-        futs = {ex.submit(_pool_task, fn, i, it): i for i, it in enumerate(items)}
+                                               initargs=(shared, q, method == "fork")) as ex:
+        with warnings.catch_warnings():  # Python >= 3.12 warns of any fork of a threaded process (see the module doc)
+            warnings.filterwarnings("ignore", message=".*multi-threaded.*fork", category=DeprecationWarning)
+            futs = {ex.submit(_pool_task, fn, i, it): i for i, it in enumerate(items)}
         bars = _Bars(list(labels), steps, q, title) if show else None
         from concurrent.futures import as_completed
 
         if bars:
             bars.__enter__()
-        where = f"local process pool ({n} worker{'s' if n > 1 else ''}, one BLAS thread each)"
+        where = f"local process pool ({n} {method}ed worker{'s' if n > 1 else ''}, one BLAS thread each)"
         try:
             for f in as_completed(futs):
                 i = futs[f]

@@ -26,7 +26,6 @@ holds quantized KV ops itself. Every refusal happens before any decoding.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 import os
 import time
@@ -40,6 +39,7 @@ from .decode import InterpreterDecoder, TractDecoder, tract_available
 from .results import (DEFAULT_CONTEXT_FLOOR, DEFAULT_EVAL_TOKENS, DEFAULT_WINDOWS, MIN_EVAL_TOKENS, THRESHOLDS, Check,
                       ContextResult, Measurement, ParityResult, ValidateOptions, ValidationReport)
 from .roundtrip import check_round_trip
+from .weights import check_same_model, share_weights
 from ..converters.caches import refuse_exporter_problems as _exporter_bugs
 
 __all__ = ["ValidateOptions", "Check", "ParityResult", "ContextResult", "Measurement", "ValidationReport",
@@ -98,40 +98,6 @@ def max_positions(session: Any) -> tuple[int | None, str]:
         else:
             hi = mid
     return lo, f"tract_assert {failing(hi).text}"
-
-
-def _tensor_digest(x: Any) -> tuple:
-    if isinstance(x, np.ndarray):
-        a = np.ascontiguousarray(x)
-        return ("array", str(a.dtype), tuple(a.shape), hashlib.sha256(a.view(np.uint8).reshape(-1)).hexdigest())
-    blocks = getattr(x, "blocks", None)
-    if blocks is not None:  # block-quantized weights
-        return (
-            "blocks",
-            tuple(getattr(x, "shape", ())),
-            hashlib.sha256(np.ascontiguousarray(blocks).tobytes()).hexdigest(),
-        )
-    return ("other", repr(x)[:200])
-
-
-def check_same_model(model: Any, reference: Any, where: str = "--reference") -> None:
-    """InputError when the archive's weights are not all in the reference (the converter never changes
-    a variable's tensor: a different tensor means a different model)."""
-    mine = dict(getattr(model, "tensors", {}) or {})
-    theirs = dict(getattr(reference, "tensors", {}) or {})
-    ref_digests: dict[tuple, str] = {}
-    for label, t in theirs.items():
-        ref_digests.setdefault(_tensor_digest(t), label)
-    for label, t in sorted(mine.items()):
-        dg = _tensor_digest(t)
-        if dg in ref_digests:
-            continue
-        if label in theirs:
-            detail = f"its tensor '{label}' differs from the archive's"
-        else:
-            detail = f"it has no tensor equal to the archive's '{label}'"
-        raise InputError(f"{where}: not the same model as the archive: {detail} (a converted archive keeps "
-                         f"every weight of its source; --allow-different-weights compares anyway)")
 
 
 # ---------------------------------------------------------------------------------------------- contexts
@@ -418,6 +384,12 @@ def validate_model(model: Any, reference: Any | None = None, source: Any = None,
     )
     rep.notes += list(source.notes)
     _exporter_bugs(model, label)  # a known exporter bug is explained, as inspect does (issue 23.8)
+    different: InputError | None = None
+    if reference is not None and not o.allow_different_weights:
+        try:  # before any session is built: the archive plans on the reference's arrays (one copy, issue 26)
+            share_weights(model, reference, (names or {}).get("reference", "reference") + f" {rep.reference}")
+        except InputError as exc:  # refused where it always was: after the checks of the decoders
+            different = exc
     dec = _decoder(model, capture=reference is not None, what=label)
     ref_dec = None
     if reference is not None:
@@ -429,9 +401,9 @@ def validate_model(model: Any, reference: Any | None = None, source: Any = None,
             raise InputError(f"{(names or {}).get('reference', 'reference')} {rep.reference}: the reference holds a "
                              f"quantized KV cache itself ({held[0][0].op} '{held[0][0].name}'): compare against the "
                              f"f32 archive it was converted from")
-        if not o.allow_different_weights:
-            check_same_model(model, reference, (names or {}).get("reference", "reference") + f" {rep.reference}")
-        elif reference is not None:
+        if different is not None:
+            raise different
+        if o.allow_different_weights:
             rep.notes.append("weights not compared (allow_different_weights)")
     source.check_vocabulary(vocab_size(dec.session, dec.sig))
     rep.kv_ops = _kv_op_settings(dec)

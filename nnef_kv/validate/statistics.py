@@ -50,6 +50,15 @@ class Interval:
         return self.low > 0 or self.high < 0
 
 
+def preload() -> None:
+    """Import what :func:`t_quantile` uses (``scipy.stats``, when installed; about 20 MiB of modules) now: the
+    workers :mod:`.jobs` forks afterwards share it instead of each importing its own."""
+    try:
+        import scipy.stats  # noqa: F401
+    except ImportError:  # pragma: no cover - scipy is a dependency of the dev extra only
+        pass
+
+
 @lru_cache(maxsize=512)
 def t_quantile(df: int, conf: float = 0.95) -> float:
     """The two-sided Student-t quantile ``t(df, (1 + conf) / 2)`` (scipy when installed, else a series

@@ -35,7 +35,7 @@ from .steps import replace_steps
 from .weights import add_bias
 
 __all__ = ["is_block", "fold_block", "rewrite_block_product", "fuse_block_projections", "materialize",
-           "BlockLinear"]
+           "dequantizing", "BlockLinear"]
 
 #: ops whose fold on a block weight is a view of the same blocks when they keep its last axis
 _VIEW_OPS = ops_having("view")
@@ -166,6 +166,17 @@ def fuse_block_projections(steps: list[Any], nodes: list[Node], kernels: dict[in
     if not replace:
         return steps, nodes, 0
     return replace_steps(steps, nodes, replace, drop)
+
+
+def dequantizing(kernel: Callable, positions: list[int]) -> Callable:
+    """``kernel`` given the dequantized values of its block-weight arguments at ``positions``, for that call
+    only (a check's plan: nothing dequantized is kept)."""
+    at = frozenset(positions)
+
+    def run(*args: Any, **attrs: Any) -> Any:
+        return kernel(*[np.asarray(a) if i in at and is_block(a) else a for i, a in enumerate(args)], **attrs)
+
+    return run
 
 
 def materialize(nodes: list[Node], base: list[Any]) -> int:

@@ -30,10 +30,12 @@ class PlannedModel(Protocol):
     def load_submodel(self, label: str) -> "PlannedModel": ...
 
 
-def get_plan(model: PlannedModel) -> Plan:
-    """The model's plan, built on first use and cached on the model object (rebuilt if its document changed)."""
+def get_plan(model: PlannedModel, prepare_weights: bool = True) -> Plan:
+    """The model's plan, built on first use and cached on the model object (rebuilt if its document changed).
+    ``prepare_weights=False``: a plan leaving the weights as the archive holds them (a check's, see
+    :func:`~.core.unprepared_weights`), built anew and not cached."""
     cached = getattr(model, "__dict__", {}).get("_nnef_kv_plan")
-    if cached is not None and cached[0] is model.document:
+    if prepare_weights and cached is not None and cached[0] is model.document:
         return cached[1]
     source = model.source
     filename = f"{source}/graph.nnef" if source else "graph.nnef"
@@ -43,7 +45,7 @@ def get_plan(model: PlannedModel) -> Plan:
         with using_limits(limits):  # the model's limits (given to load) bound the build, sub-models included
             builder = GraphBuilder(model.document, model.tensors, model.quantization, filename,
                                    model.load_submodel)
-            plan = build_plan(builder.build())
+            plan = build_plan(builder.build(), prepare_weights=prepare_weights)
     except NnefKvError:
         raise
     except Exception as exc:  # noqa: BLE001 - a builder bug: still an nnef-kv error naming what was built
@@ -58,6 +60,8 @@ def get_plan(model: PlannedModel) -> Plan:
         raise kind(f"{filename}: cannot build the graph{what}: {detail}") from exc
     # identity for saved state: the document (structure, literals) as well as the nodes and attributes
     plan.fingerprint = hashlib.sha256((plan.fingerprint + repr(model.document)).encode()).hexdigest()
+    if not prepare_weights:
+        return plan
     try:
         object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
     except (AttributeError, TypeError):

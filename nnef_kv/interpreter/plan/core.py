@@ -277,7 +277,11 @@ def fuse(d: Draft) -> None:
 
 
 def weights(d: Draft) -> None:
-    """Products by constant weights get their weight pre-transposed (see :mod:`.weights`)."""
+    """Products by constant weights get their weight pre-transposed (see :mod:`.weights`). Not in a plan
+    built with ``prepare_weights=False`` (:func:`unprepared_weights`)."""
+    if not d.flags["prepare_weights"]:
+        unprepared_weights(d)
+        return
     for item in d.items:
         if item.state is not None or item.fused:
             continue
@@ -290,6 +294,23 @@ def weights(d: Draft) -> None:
         if rw is not None:
             item.kernel, item.ins, item.attrs = rw
             item.rewritten = True
+
+
+def unprepared_weights(d: Draft) -> None:
+    """The plan of a check (``nnef-kv inspect``, :mod:`nnef_kv.interpreter.check`): no weight is transposed,
+    joined, repacked or dequantized for the plan; products run the generic kernels on the archive's arrays
+    as they are, and a step reading a block weight (Q4_0 / Q8_1) gets it dequantized for that call only."""
+    for item in d.items:
+        if item.state is not None:
+            continue
+        blocks = [i for i, spec in enumerate(item.ins) if isinstance(spec, int) and spec in d.consts
+                  and B.is_block(d.base[spec])]
+        if blocks and item.kernel is not None:
+            item.kernel = B.dequantizing(item.kernel, blocks)
+            item.rewritten = True  # the wrapper stays: not replaced by a specialised kernel
+        nested = [spec for spec in item.ins if not isinstance(spec, int)]
+        if any(B.is_block(d.base[s]) for spec in nested for s in _slots_of(spec) if s < len(d.base)):
+            B.materialize([dataclasses.replace(item.node, inputs=nested)], d.base)  # in a list: once, as before
 
 
 def specialize(d: Draft) -> None:
@@ -363,7 +384,8 @@ def cache_append(d: Draft) -> None:
 
 
 def liveness(d: Draft) -> None:
-    n = B.materialize(d.step_nodes, d.base)  # block weights no product took: dequantized, as before
+    # block weights no product took: dequantized, as before (a check's plan dequantizes them at each call)
+    n = B.materialize(d.step_nodes, d.base) if d.flags["prepare_weights"] else 0
     n += d.info.pop("dequantized_weights", 0)
     if n:
         d.info["dequantized_weights"] = n
@@ -379,13 +401,14 @@ PASSES: tuple[tuple[Callable[[Draft], None], str | None], ...] = (
 
 
 def build_plan(graph: Graph, fold_constants: bool = True, fuse_projections: bool = True,
-               specialize_kernels: bool = True, fuse_ops: bool = True) -> Plan:
-    """Compile a graph by running :data:`PASSES` (see the module docstring)."""
+               specialize_kernels: bool = True, fuse_ops: bool = True, prepare_weights: bool = True) -> Plan:
+    """Compile a graph by running :data:`PASSES` (see the module docstring). ``prepare_weights=False``: the
+    weights are left as the archive holds them (:func:`unprepared_weights`; a check's plan)."""
     base: list[Any] = [None] * graph.nslots
     for s, arr in graph.constants.items():
         base[s] = arr
     flags = {"fold_constants": fold_constants, "fuse_projections": fuse_projections,
-             "specialize_kernels": specialize_kernels, "fuse_ops": fuse_ops}
+             "specialize_kernels": specialize_kernels, "fuse_ops": fuse_ops, "prepare_weights": prepare_weights}
     items: list[Item] = []
     stateful: list[tuple[int, Node]] = []
     for node in graph.nodes:

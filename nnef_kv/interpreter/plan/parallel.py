@@ -328,3 +328,15 @@ def run_threads(threads: int, auto: bool) -> int:
 __all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "split_worth", "halves", "MIN_SPLIT_BYTES", "MIN_SPLIT_WORK",
            "BLAS", "BlasThreads", "default_threads", "check_threads", "usable_cpus",
            "THREADS_ENV", "LOAD", "LoadWatch", "run_threads"]
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (compare's workers, :mod:`nnef_kv.validate.jobs`) has none of its parent's threads: the
+    splitter's helper starts anew when first needed, and every lock here is a fresh one."""
+    SPLITTER.__init__()  # type: ignore[misc]
+    BLAS._lock, BLAS._depth, BLAS._saved = threading.Lock(), 0, []
+    LOAD._lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)

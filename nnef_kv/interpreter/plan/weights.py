@@ -12,6 +12,7 @@ in other runs), 1.42 (8 rows), 1.25 (64 rows), 1.00 and 1.01 (512 rows): a decod
 prefill hundreds; a few-row product is the slower case."""
 from __future__ import annotations
 
+import weakref
 from typing import Any, Callable
 
 import numpy as np
@@ -82,6 +83,45 @@ def rewrite_weights(node: Node, base: list[Any], consts: set[int]) -> tuple[Call
     return None
 
 
+def _root(a: np.ndarray) -> np.ndarray:
+    while isinstance(a.base, np.ndarray):
+        a = a.base
+    return a
+
+
+#: fused weights by what they were made of: (id of each part's root array, where in it, shape, strides,
+#: dtype) -> (weak references to those roots, a weak reference to the fused array)
+_FUSED: dict[tuple, tuple[tuple[weakref.ref, ...], weakref.ref]] = {}
+
+
+def _fused(members: list[tuple[int, int, np.ndarray, int, int]]) -> np.ndarray:
+    """The weights of ``members`` side by side (``[in, sum of outs]``, contiguous). Parts that are views of
+    read-only arrays (a loaded archive's) give the array made for the same parts by another plan while
+    that one is alive: the sessions of an archive and of its reference hold one fused array, not one
+    each (``validate`` gives both the same arrays), and so do compare's worker processes, forked from the
+    process that planned the reference (:mod:`nnef_kv.validate.jobs`)."""
+    parts = [m[2] for m in members]
+    roots = [_root(p) for p in parts]
+    key = None
+    if all(not r.flags.writeable for r in roots):
+        key = tuple((id(r), p.__array_interface__["data"][0] - r.__array_interface__["data"][0], p.shape,
+                     p.strides, p.dtype.str) for p, r in zip(parts, roots))
+        got = _FUSED.get(key)
+        if got is not None and all(ref() is r for ref, r in zip(got[0], roots)):
+            wt = got[1]()
+            if wt is not None:
+                return wt
+    wt = np.ascontiguousarray(np.concatenate(parts, axis=1))
+    for p in parts:  # a memory-mapped original is read again from its file if anything else uses it
+        release_pages(p)
+    if key is not None:
+        for k in [k for k, (refs, w) in _FUSED.items() if w() is None or any(x() is None for x in refs)]:
+            del _FUSED[k]
+        wt.flags.writeable = False
+        _FUSED[key] = (tuple(weakref.ref(r) for r in roots), weakref.ref(wt))
+    return wt
+
+
 def fuse_projections(steps: list[Step], step_nodes: list[Node],
                       projections: list[tuple[int, int, np.ndarray, int, int]], base: list[Any]
                       ) -> tuple[list[Step], list[Node], int]:
@@ -100,9 +140,7 @@ def fuse_projections(steps: list[Step], step_nodes: list[Node],
         members = [m for m in members if m[2].shape[0] == w0.shape[0] and m[2].dtype == w0.dtype]
         if len(members) < 2:
             continue
-        wt = np.ascontiguousarray(np.concatenate([m[2] for m in members], axis=1))
-        for m in members:  # a memory-mapped original is read again from its file if anything else uses it
-            release_pages(m[2])
+        wt = _fused(members)
         parts: list[tuple[int, int, int]] = []
         at = 0
         for m in members:

@@ -489,6 +489,17 @@ _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
 
+def _forget_pools() -> None:
+    """In a forked child: the parent's pool threads do not exist here; pools start anew when used."""
+    global _pools_lock
+    _pools.clear()
+    _pools_lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
+
+
 def _pool(n: int) -> ThreadPoolExecutor:
     with _pools_lock:
         pool = _pools.get(n)
