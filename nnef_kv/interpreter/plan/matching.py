@@ -2,6 +2,8 @@
 back from a root through steps read only inside the chain, and the run-time guards of the fast forms."""
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -109,9 +111,9 @@ def reshaped(dims: list[int], node: Node, v: list) -> list[int] | None:
         new = [dims[start + i] if int(s) == 0 else int(s) for i, s in enumerate(shape)]
         full = dims[:start] + new + dims[start + count:]
         if full.count(-1) == 1:
-            known = int(np.prod([d for d in full if d != -1]))
+            known = math.prod(d for d in full if d != -1)
             i = full.index(-1)
-            full[i] = int(np.prod(dims)) // known if known else 0
+            full[i] = math.prod(dims) // known if known else 0
     except (TypeError, ValueError, IndexError):
         return None
-    return full if all(d >= 0 for d in full) and int(np.prod(full)) == int(np.prod(dims)) else None
+    return full if all(d >= 0 for d in full) and math.prod(full) == math.prod(dims) else None
