@@ -100,20 +100,24 @@ def test_rotation():
 def kernel_cases(draw):
     bits = draw(st.sampled_from([1, 2, 3, 4]))
     d = draw(st.sampled_from([1, 3, 8, 24, 32, 48, 64, 100, 128]))
-    n, m, t = draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.integers(0, 70))
+    n, m, t = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(0, 70))
     special = draw(st.sampled_from(["none", "nan_q", "inf_q", "nan_w", "inf_w", "zero_norm"]))
-    return bits, d, n, m, t, special, draw(st.integers(0, 2 ** 16))
+    return bits, d, n, m, t, special, draw(st.integers(0, 2 ** 16)), draw(st.booleans())
 
 
-@SETTINGS
-@given(kernel_cases())
-def test_kernels_against_their_references(case):
-    """numba scores and value sums equal the NumPy references up to the order of f32 additions, NaN and Inf
-    where the references have them (GQA rows, every bit width, non-power-of-two head_dim)."""
-    bits, d, n, m, t, special, seed = case
+def _strided(codes: np.ndarray, spare: int = 5) -> np.ndarray:
+    """``codes`` as the cache hands them to the kernels: a view of a buffer with spare capacity (rows strided)."""
+    buf = np.full((codes.shape[0], codes.shape[1] + spare, codes.shape[2]), 0xA5, np.uint8)
+    buf[:, :codes.shape[1]] = codes
+    return buf[:, :codes.shape[1]]
+
+
+def _check_kernels(bits, d, n, m, t, special, seed, strided):
     rng = np.random.default_rng(seed)
     codec = RowCodec(bits, d)
     codes = codec.pack(rng.integers(0, 1 << bits, (n, t, d)))
+    if strided:
+        codes = _strided(codes)
     cb = codebook(bits, max(d, 1))
     qr = rng.standard_normal((n, m, d)).astype(np.float32)
     norms = rng.uniform(0, 3, (n, t)).astype(np.float32)
@@ -139,6 +143,26 @@ def test_kernels_against_their_references(case):
         fin = np.isfinite(want)
         bound = 4e-7 * d * (np.abs(args[0]).max(initial=0, where=np.isfinite(args[0])) + 1) * 3 * max(t, 1)
         np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=bound)
+
+
+@SETTINGS
+@given(kernel_cases())
+def test_kernels_against_their_references(case):
+    """numba scores and value sums equal the NumPy references up to the order of f32 additions, NaN and Inf
+    where the references have them (GQA rows: one row a kv head and groups of four, padded; every bit width,
+    non-power-of-two head_dim; codes contiguous or strided as the cache's views)."""
+    _check_kernels(*case)
+
+
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_kernels_every_path(bits):
+    """Every core and tail of the numba side against the reference: one row and 2..9 rows a kv head (groups
+    of four, the last one padded), head_dim with a partial last byte / 24-bit word / odd count of 3-bit
+    pairs, strided codes."""
+    for d in (1, 2, 3, 5, 8, 17, 24, 48, 64, 100, 128):
+        for m in (1, 2, 3, 4, 5, 9):
+            for special in ("none", "nan_q", "inf_w"):
+                _check_kernels(bits, d, 2, m, 33, special, 1000 * d + 10 * m + bits, strided=(m % 2 == 1))
 
 
 def test_forced_fallback_runs_the_reference(monkeypatch):
