@@ -5,6 +5,8 @@ NaN/Inf, the op in a graph, the scheme and its compare specs; ``nnef_kv_ggml_sdp
 direct implementation of llama.cpp's transform."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -102,7 +104,7 @@ def kernel_cases(draw):
     d = draw(st.sampled_from([1, 3, 8, 24, 32, 48, 64, 100, 128]))
     n, m, t = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(0, 70))
     special = draw(st.sampled_from(["none", "nan_q", "inf_q", "nan_w", "inf_w", "zero_norm"]))
-    return bits, d, n, m, t, special, draw(st.integers(0, 2 ** 16)), draw(st.booleans())
+    return bits, d, n, m, t, special, draw(st.integers(0, 2 ** 16)), draw(st.booleans()), draw(st.booleans())
 
 
 def _strided(codes: np.ndarray, spare: int = 5) -> np.ndarray:
@@ -112,7 +114,19 @@ def _strided(codes: np.ndarray, spare: int = 5) -> np.ndarray:
     return buf[:, :codes.shape[1]]
 
 
-def _check_kernels(bits, d, n, m, t, special, seed, strided):
+def _check_kernels(bits, d, n, m, t, special, seed, strided, vperm=True):
+    """One case on the numba side; ``vperm=False`` runs the table cores even on an AVX-512 host (where the
+    register-codebook cores are the default)."""
+    jit = importlib.import_module("nnef_kv.kv.rotated._jit")
+    old = jit.VPERM
+    jit.VPERM = old and vperm
+    try:
+        _compare_kernels(bits, d, n, m, t, special, seed, strided)
+    finally:
+        jit.VPERM = old
+
+
+def _compare_kernels(bits, d, n, m, t, special, seed, strided):
     rng = np.random.default_rng(seed)
     codec = RowCodec(bits, d)
     codes = codec.pack(rng.integers(0, 1 << bits, (n, t, d)))
@@ -154,15 +168,17 @@ def test_kernels_against_their_references(case):
     _check_kernels(*case)
 
 
+@pytest.mark.parametrize("vperm", [True, False])
 @pytest.mark.parametrize("bits", [1, 2, 3, 4])
-def test_kernels_every_path(bits):
+def test_kernels_every_path(bits, vperm):
     """Every core and tail of the numba side against the reference: one row and 2..9 rows a kv head (groups
-    of four, the last one padded), head_dim with a partial last byte / 24-bit word / odd count of 3-bit
-    pairs, strided codes."""
-    for d in (1, 2, 3, 5, 8, 17, 24, 48, 64, 100, 128):
+    of four, the last one padded), head_dim with a partial last byte / 16-byte chunk / 24-bit word / odd
+    count of 3-bit pairs, strided codes; the register-codebook cores (AVX-512 hosts) and the table cores."""
+    for d in (1, 2, 3, 5, 8, 17, 24, 48, 64, 100, 128, 160):
         for m in (1, 2, 3, 4, 5, 9):
             for special in ("none", "nan_q", "inf_w"):
-                _check_kernels(bits, d, 2, m, 33, special, 1000 * d + 10 * m + bits, strided=(m % 2 == 1))
+                _check_kernels(bits, d, 2, m, 33, special, 1000 * d + 10 * m + bits, strided=(m % 2 == 1),
+                               vperm=vperm)
 
 
 def test_forced_fallback_runs_the_reference(monkeypatch):

@@ -10,14 +10,14 @@ codes of coordinates ``j, j + m, j + 2m, ...`` in its bit fields, ``m`` = bytes 
 * :func:`code_values` ``(w [n, M, T], codes, cb, bits, d) -> [n, M, D]``: ``sum_t w_t cb[code_t]``, the
   coded values accumulated in the rotated basis (``w`` = softmax weight x norm).
 
-numba (``_jit``; its docstring has the details): a score is a sum of table lookups, one table entry per code
-index (a nibble or byte of planar codes, a six-bit field of two 3-bit codes), the entry being what that index
-adds to the query row's dot product; the values use the transpose of that idea, a weight histogram by index,
-turned into the ``D`` outputs once at the end. The query rows sharing a kv head (GQA) are served four at a
-time from entries of 4 floats (one vector load, or load-add-store, per index for all four rows); a single
-row uses scalar byte tables (and, for 4-bit values, decodes each code row by byte and adds it). The sums are
-the reference's up to the order of the f32 additions; NaN and Inf propagate as IEEE arithmetic does in any
-order (no fastmath).
+numba (``_jit``; its docstring has the details): on hosts with AVX-512F the codebook sits in one register
+and each token's codes are decoded 16 at a time by a lane permute, then dotted with the query rows (scores)
+or added to the rows' accumulators (values), four query rows of a kv head per decode (GQA). Elsewhere a score
+is a sum of table lookups, one table entry per code index (a nibble or byte of planar codes, a six-bit field
+of two 3-bit codes), and the values use a weight histogram by index, turned into the ``D`` outputs at the
+end; query rows sharing a kv head are served four at a time from 4-float entries. The sums are the
+reference's up to the order of the f32 additions; NaN and Inf propagate as IEEE arithmetic does in any order
+(no fastmath).
 """
 from __future__ import annotations
 
