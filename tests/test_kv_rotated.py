@@ -126,7 +126,7 @@ def _check_kernels(bits, d, n, m, t, special, seed, strided, vperm=True):
         jit.VPERM = old
 
 
-def _compare_kernels(bits, d, n, m, t, special, seed, strided):
+def _compare_kernels(bits, d, n, m, t, special, seed, strided, threads=1):
     rng = np.random.default_rng(seed)
     codec = RowCodec(bits, d)
     codes = codec.pack(rng.integers(0, 1 << bits, (n, t, d)))
@@ -150,7 +150,7 @@ def _compare_kernels(bits, d, n, m, t, special, seed, strided):
             norms[h, tt] = 0
             w[h, r, tt] = 0
     for fn, args in ((RA.code_scores, (qr, codes, norms, cb, bits, d)), (RA.code_values, (w, codes, cb, bits, d))):
-        want, got = fn.reference(*args), fn.jit(*args)
+        want, got = fn.reference(*args), fn.jit(*args, threads)
         assert got.shape == want.shape and got.dtype == np.float32
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
@@ -179,6 +179,19 @@ def test_kernels_every_path(bits, vperm):
             for special in ("none", "nan_q", "inf_w"):
                 _check_kernels(bits, d, 2, m, 33, special, 1000 * d + 10 * m + bits, strided=(m % 2 == 1),
                                vperm=vperm)
+
+
+@pytest.mark.parametrize("vperm", [True, False])
+def test_kernels_split_over_threads(vperm, monkeypatch):
+    """``threads > 1``: the tokens split in ranges over the calling thread and pool threads (the value sums
+    added), the reference's results up to the order of the f32 additions."""
+    jit = importlib.import_module("nnef_kv.kv.rotated._jit")
+    monkeypatch.setattr(jit, "MIN_TOKENS_A_THREAD", 4)
+    monkeypatch.setattr(jit, "VPERM", jit.VPERM and vperm)
+    assert jit._token_parts(50, 3) == [(0, 16), (16, 33), (33, 50)] and jit._token_parts(7, 3) == [(0, 7)]
+    for bits in (1, 2, 3, 4):
+        for m, special in ((1, "none"), (3, "nan_w"), (5, "inf_q")):
+            _compare_kernels(bits, 64, 2, m, 50, special, 7 * bits + m, strided=True, threads=3)
 
 
 def test_forced_fallback_runs_the_reference(monkeypatch):

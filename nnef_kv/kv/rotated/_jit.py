@@ -29,6 +29,9 @@ query value of 0 against a finite codebook value, and its accumulator is never r
 """
 from __future__ import annotations
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 from llvmlite import binding as llvm_binding
 from llvmlite import ir
@@ -801,11 +804,40 @@ def _args(codes, cb, bits, d):
     return codes, np.ascontiguousarray(cb, np.float32), int(bits), int(d)
 
 
-def code_scores(qr, codes, norms, cb, bits, d):
-    codes, cb, bits, d = _args(codes, cb, bits, d)
-    qr = np.ascontiguousarray(qr, np.float32)
-    norms = np.ascontiguousarray(norms, np.float32)
-    out = np.empty((qr.shape[0], qr.shape[1], codes.shape[1]), np.float32)
+#: tokens a thread takes at least when a call is split over threads (smaller calls run on one thread)
+MIN_TOKENS_A_THREAD = 1024
+_pools: dict[int, ThreadPoolExecutor] = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(n: int) -> ThreadPoolExecutor:
+    with _pools_lock:
+        pool = _pools.get(n)
+        if pool is None:
+            pool = _pools[n] = ThreadPoolExecutor(max_workers=n, thread_name_prefix="nnef_kv_rotated")
+        return pool
+
+
+def _token_parts(t_len: int, threads: int) -> list[tuple[int, int]]:
+    """Equal token ranges, one a thread (one range when the call is too small to split)."""
+    k = max(1, min(int(threads), t_len // MIN_TOKENS_A_THREAD))
+    bounds = [t_len * i // k for i in range(k + 1)]
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def _run(fn, calls) -> None:
+    """``fn(*args)`` for each ``args`` of ``calls``: the first on the calling thread, the others on pool threads
+    (the cores release the GIL)."""
+    if len(calls) == 1:
+        fn(*calls[0])
+        return
+    futs = [_pool(len(calls) - 1).submit(fn, *a) for a in calls[1:]]
+    fn(*calls[0])
+    for f in futs:
+        f.result()
+
+
+def _scores_core(qr, codes, norms, cb, bits, d, out) -> None:
     if VPERM:
         _scores_vperm(qr, codes, norms, cb, bits, d, out)
     elif qr.shape[1] >= 2:
@@ -814,13 +846,9 @@ def code_scores(qr, codes, norms, cb, bits, d):
         _scores_pairs(qr, codes, norms, cb, d, out)
     else:
         _scores_planar(qr, codes, norms, cb, bits, d, out)
-    return out
 
 
-def code_values(w, codes, cb, bits, d):
-    codes, cb, bits, d = _args(codes, cb, bits, d)
-    w = np.ascontiguousarray(w, np.float32)
-    out = np.empty((w.shape[0], w.shape[1], d), np.float32)
+def _values_core(w, codes, cb, bits, d, out) -> None:
     if VPERM:
         _values_vperm(w, codes, cb, bits, d, out)
     elif w.shape[1] >= 2:
@@ -831,4 +859,24 @@ def code_values(w, codes, cb, bits, d):
         _values_decoded4(w, codes, cb, d, out)
     else:
         _values_planar(w, codes, cb, bits, d, out)
+
+
+def code_scores(qr, codes, norms, cb, bits, d, threads=1):
+    codes, cb, bits, d = _args(codes, cb, bits, d)
+    qr = np.ascontiguousarray(qr, np.float32)
+    norms = np.ascontiguousarray(norms, np.float32)
+    out = np.empty((qr.shape[0], qr.shape[1], codes.shape[1]), np.float32)
+    _run(_scores_core, [(qr, codes[:, a:b], norms[:, a:b], cb, bits, d, out[:, :, a:b])
+                        for a, b in _token_parts(codes.shape[1], threads)])
     return out
+
+
+def code_values(w, codes, cb, bits, d, threads=1):
+    codes, cb, bits, d = _args(codes, cb, bits, d)
+    w = np.ascontiguousarray(w, np.float32)
+    parts = _token_parts(codes.shape[1], threads)
+    outs = [np.empty((w.shape[0], w.shape[1], d), np.float32) for _ in parts]
+    _run(_values_core, [(w[:, :, a:b], codes[:, a:b], cb, bits, d, o) for (a, b), o in zip(parts, outs)])
+    for o in outs[1:]:  # the threads' partial sums (f32 addition order only)
+        outs[0] += o
+    return outs[0]

@@ -35,10 +35,10 @@ def decode(codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
 
 
 @kernel("nnef_kv.kv.rotated._jit:code_scores")
-def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.ndarray, bits: int, d: int
-                ) -> np.ndarray:
+def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.ndarray, bits: int, d: int,
+                threads: int = 1) -> np.ndarray:
     """``[n, M, T]`` f32: ``norms[n, t] * sum_j qr[n, m, j] * cb[codes[n, t, j]]`` (reference: the codes
-    decoded, a matmul)."""
+    decoded, a matmul; ``threads``: the numba side splits the tokens over that many threads)."""
     dec = decode(codes, cb, bits, d)
     s = np.matmul(np.asarray(qr, np.float32), dec.swapaxes(1, 2))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -47,8 +47,10 @@ def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.nda
 
 
 @kernel("nnef_kv.kv.rotated._jit:code_values")
-def code_values(w: np.ndarray, codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
-    """``[n, M, D]`` f32: ``sum_t w[n, m, t] * cb[codes[n, t, :]]`` (reference: decoded, a matmul)."""
+def code_values(w: np.ndarray, codes: np.ndarray, cb: np.ndarray, bits: int, d: int, threads: int = 1
+                ) -> np.ndarray:
+    """``[n, M, D]`` f32: ``sum_t w[n, m, t] * cb[codes[n, t, :]]`` (reference: decoded, a matmul;
+    ``threads``: the numba side splits the tokens over that many threads and adds their sums)."""
     dec = decode(codes, cb, bits, d)
     with np.errstate(invalid="ignore", over="ignore"):
         return np.matmul(np.asarray(w, np.float32), dec)
