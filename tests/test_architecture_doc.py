@@ -14,8 +14,8 @@ DOC = REPO / "docs" / "architecture.md"
 TEXT = DOC.read_text()
 #: backquoted paths: `nnef_kv/...`, `tests/...`, `benchmarks/...`, and package-relative ones (`converters/schemes.py`)
 PATHS = sorted(set(re.findall(r"`((?:nnef_kv|tests|benchmarks|tools)/[\w/.]+?)/?`", TEXT)))
-RELATIVE = sorted(set(re.findall(r"`((?:kv|converters|validate|interpreter|plan|io|grammar|kernels|core|tensors)/[\w/]+\.py)",
-                                 TEXT)))
+_PACKAGES = "kv|converters|validate|interpreter|plan|io|grammar|kernels|core|tensors"
+RELATIVE = sorted(set(re.findall(rf"`((?:{_PACKAGES})/[\w/]+\.py)", TEXT)))
 MODULES = sorted(set(re.findall(r"`(nnef_kv(?:\.\w+)+)`", TEXT)))
 
 

@@ -22,8 +22,8 @@
   ``"prefer-vector-width"="512"`` when the host has AVX-512 (:data:`WIDE`): LLVM's default on these CPUs
   is 256-bit vectors (a tuning for the first AVX-512 parts, whose clock dropped with 512-bit work), and
   the cores are bound by vector instruction throughput: 512-bit vectors make the KIVI cores faster
-  (docs/benchmarks.md, "Where the code's thresholds come from"). A hint only (same ISA, same results up to the lane count of
-  the ``reassoc`` sums); not applied on Skylake-SP / Cascade Lake / Cooper Lake, or with
+  (docs/benchmarks.md, "Where the code's thresholds come from"). A hint only (same ISA, same results up to
+  the lane count of the ``reassoc`` sums); not applied on Skylake-SP / Cascade Lake / Cooper Lake, or with
   ``NNEF_KV_NUMBA_WIDE=0`` at the first compilation (clear numba's cache, ``__pycache__/*.nbi|nbc``,
   after changing it). It goes through llvmlite's attribute printer (private API, its arguments passed
   through whatever they are): the function is printed once with the hint, and any failure puts numba's

@@ -42,7 +42,8 @@ def _prange_is_safe() -> bool:
 #: caller runs out is the caller's, so a descheduled helper costs at most the head it holds) or "prange" (numba
 #: ``parallel=True`` loops over the heads, OpenMP or TBB). With the other core busy, prange's
 #: spinning OpenMP workers make a step many times slower than one thread, where the claiming pool stays
-#: near one thread's time (benchmarks/kernels.py; docs/benchmarks.md). Default: the pool; ``NNEF_KV_KIVI_PARALLEL=prange`` selects prange (when the threading layer is thread-safe).
+#: near one thread's time (benchmarks/kernels.py; docs/benchmarks.md). Default: the pool;
+#: ``NNEF_KV_KIVI_PARALLEL=prange`` selects prange (when the threading layer is thread-safe).
 PARALLEL = "prange" if os.environ.get("NNEF_KV_KIVI_PARALLEL", "").strip() == "prange" and _prange_is_safe() \
     else "pool"
 
