@@ -42,16 +42,20 @@ def _fields_per_chunk(bits: int) -> int:
 def _chunk_fields(builder, rptr, chunk, bits):
     """The code vectors of chunk ``chunk`` of a row: planar, its 16 bytes' ``8 / bits`` fields (field ``k`` of
     each byte); 3 bits, the 16 codes of its 6 bytes (48 bits, LSB first: code ``l`` at bit ``3 l``)."""
-    if bits == 3:
+    if bits == 3:  # lane l: the two bytes holding bits 3 l .. 3 l + 2, shifted down by 3 l mod 8
         p = builder.gep(rptr, [builder.mul(chunk, _c64(6))])
         lo = builder.zext(builder.load(builder.bitcast(p, _I32.as_pointer()), align=1), _I64)
         hi = builder.load(builder.bitcast(builder.gep(p, [_c64(4)]), ir.IntType(16).as_pointer()), align=1)
         word = builder.or_(lo, builder.shl(builder.zext(hi, _I64), _c64(32)))
-        v64 = ir.VectorType(_I64, 16)
-        wv = builder.insert_element(ir.Constant(v64, None), word, ir.Constant(_I32, 0))
-        wv = builder.shuffle_vector(wv, wv, ir.Constant(_V16I, [0] * 16))
-        x = builder.lshr(wv, ir.Constant(v64, [3 * lane for lane in range(16)]))
-        return [builder.and_(builder.trunc(x, _V16I), _splat16(7))]
+        b8 = builder.bitcast(word, ir.VectorType(ir.IntType(8), 8))
+        mask = []
+        for lane in range(16):
+            i = 3 * lane // 8
+            mask += [i, i + 1, 8, 8]  # element 8: a zero byte of the second operand
+        b64 = builder.shuffle_vector(b8, ir.Constant(ir.VectorType(ir.IntType(8), 8), None),
+                                     ir.Constant(ir.VectorType(_I32, 64), mask))
+        x = builder.lshr(builder.bitcast(b64, _V16I), ir.Constant(_V16I, [3 * lane % 8 for lane in range(16)]))
+        return [builder.and_(x, _splat16(7))]
     p = builder.gep(rptr, [builder.mul(chunk, _c64(16))])
     b = builder.zext(builder.load(builder.bitcast(p, _V16B.as_pointer()), align=1), _V16I)
     per = 8 // bits
