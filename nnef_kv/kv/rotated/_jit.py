@@ -1,19 +1,21 @@
 """numba side of :mod:`nnef_kv.kv.rotated.kernels` (imported on first use; see that module).
 
-Two families of cores, the first where the host has AVX-512F (:data:`VPERM`), the second elsewhere:
+Two families of cores: the first where the host has AVX-512F (:data:`VPERM`) and it pays (3 and 4 bits; 2 bits
+with one query row a kv head: :func:`_vperm_pays`), the second elsewhere:
 
-* **the codebook in a register** (:func:`_dot16`, :func:`_axpy16`, LLVM vector IR: numba runs no SLP
+* **the codebook in a register** (``_vperm_jit``: ``_dot16``, ``_axpy16``, LLVM vector IR: numba runs no SLP
   vectorizer, and a per-lane table lookup needs ``vpermps``): the 16 (at most) codebook values sit in one
   512-bit register, and a token's codes are decoded 16 at a time by one ``vpermps`` each (planar codes: the
-  16 bytes of a chunk zero-extended, field ``k`` shifted down; 3 bits: the 48 bits of 16 codes broadcast and
-  shifted lane by lane), then multiplied by the query rows (scores, two chains a row, one fixed-tree sum of
-  the lanes a token) or, times each row's weight, added to the rows' accumulators (values). The query rows
+  16 bytes of a chunk zero-extended, field ``k`` shifted down; 3 bits: a chunk is 6 bytes, 16 codes, each lane
+  taking the two bytes that hold its code by one byte shuffle and shifting them), then multiplied by the
+  query rows (scores, two chains a row, one fixed-tree sum of the lanes a token) or, times each row's
+  weight, added to the rows' accumulators (values). The query rows
   and accumulators are kept in the decode order (planar: coordinate ``j + k m`` at ``k mp + j``), so nothing is
   shuffled per token. Query rows sharing a kv head (GQA) are served four at a time (a padded group): one
   decode, four rows. Rows whose bytes are not whole chunks are copied into a zero-padded buffer first;
-* **tables** (no AVX-512): the rows sharing a kv head four at a time from tables / histograms whose entries
+* **tables** (elsewhere): the rows sharing a kv head four at a time from tables / histograms whose entries
   are 4 floats, one a row, so that one code index gives the 4 rows' terms with one 16-byte load (scores) or
-  one 16-byte load-add-store (values) (:func:`_sum4`, :func:`_hist4`). Planar codes (1, 2, 4 bits) are
+  one 16-byte load-add-store (values) (``_tables_jit``: ``_sum4``, ``_hist4``). Planar codes (1, 2, 4 bits) are
   indexed by nibble: byte ``j``'s low and high nibbles index two 16-entry slots (``2 j``, ``2 j + 1``), each
   holding the codes of ``4 / bits`` coordinates (8 KiB a group at ``D = 64``, 4 bits: L1-resident; 256-entry
   byte slots were 4x larger and slower). 3 bits: each 24-bit word of the bitstream holds 8 codes, 4 six-bit
@@ -85,8 +87,15 @@ def _run(fn, calls) -> None:
         f.result()
 
 
+def _vperm_pays(bits: int, rows: int) -> bool:
+    """The register-codebook cores where they beat the tables (kernel thread-CPU, T = 8192, docs/kv.md 8.1):
+    3 and 4 bits, and 2 bits with one query row a kv head; at 1 bit, and at 2 bits with GQA rows, a table
+    entry covers 4 to 8 codes of 4 rows and the tables win."""
+    return VPERM and (bits >= 3 or (bits == 2 and rows == 1))
+
+
 def _scores_core(qr, codes, norms, cb, bits, d, out) -> None:
-    if VPERM:
+    if _vperm_pays(bits, qr.shape[1]):
         _scores_vperm(qr, codes, norms, cb, bits, d, out)
     elif qr.shape[1] >= 2:
         _scores_rows4(qr, codes, norms, cb, bits, d, out)
@@ -97,7 +106,7 @@ def _scores_core(qr, codes, norms, cb, bits, d, out) -> None:
 
 
 def _values_core(w, codes, cb, bits, d, out) -> None:
-    if VPERM:
+    if _vperm_pays(bits, w.shape[1]):
         _values_vperm(w, codes, cb, bits, d, out)
     elif w.shape[1] >= 2:
         _values_rows4(w, codes, cb, bits, d, out)

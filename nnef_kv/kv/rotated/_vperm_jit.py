@@ -201,10 +201,8 @@ def _dots1(qp, cb16, ix, nc, bits, norms_h, o):
             s = _dot16(qp, cb16, ix[t], nc, 1, 4)
         elif bits == 3:
             s = _dot16(qp, cb16, ix[t], nc, 1, 3)
-        elif bits == 2:
-            s = _dot16(qp, cb16, ix[t], nc, 1, 2)
         else:
-            s = _dot16(qp, cb16, ix[t], nc, 1, 1)
+            s = _dot16(qp, cb16, ix[t], nc, 1, 2)
         o[t] = s[0] * norms_h[t]
 
 
@@ -215,10 +213,8 @@ def _dots4(qp, cb16, ix, nc, bits, norms_h, o4):
             s = _dot16(qp, cb16, ix[t], nc, 4, 4)
         elif bits == 3:
             s = _dot16(qp, cb16, ix[t], nc, 4, 3)
-        elif bits == 2:
-            s = _dot16(qp, cb16, ix[t], nc, 4, 2)
         else:
-            s = _dot16(qp, cb16, ix[t], nc, 4, 1)
+            s = _dot16(qp, cb16, ix[t], nc, 4, 2)
         nt = norms_h[t]
         o4[t, 0] = s[0] * nt
         o4[t, 1] = s[1] * nt
@@ -259,19 +255,15 @@ def _axpys(acc, cb16, ix, nc, w4, nr, bits):
                 _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 1, 4)
             elif bits == 3:
                 _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 1, 3)
-            elif bits == 2:
-                _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 1, 2)
             else:
-                _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 1, 1)
+                _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 1, 2)
         else:
             if bits == 4:
                 _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 4, 4)
             elif bits == 3:
                 _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 4, 3)
-            elif bits == 2:
-                _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 4, 2)
             else:
-                _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 4, 1)
+                _axpy16(acc, cb16, ix[t], nc, w4, 4 * t, 4, 2)
 
 
 @njit(**JIT)
