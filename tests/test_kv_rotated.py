@@ -183,12 +183,22 @@ def test_kernels_every_path(bits, vperm):
 
 @pytest.mark.parametrize("vperm", [True, False])
 def test_kernels_split_over_threads(vperm, monkeypatch):
-    """``threads > 1``: the tokens split in ranges over the calling thread and pool threads (the value sums
+    """``threads > 1``: the tokens cut in ranges that the calling thread and pool threads claim (the value sums
     added), the reference's results up to the order of the f32 additions."""
     jit = importlib.import_module("nnef_kv.kv.rotated._jit")
-    monkeypatch.setattr(jit, "MIN_TOKENS_A_THREAD", 4)
+    monkeypatch.setattr(jit, "MIN_TOKENS_A_RANGE", 4)
     monkeypatch.setattr(jit, "VPERM", jit.VPERM and vperm)
-    assert jit._token_parts(50, 3) == [(0, 16), (16, 33), (33, 50)] and jit._token_parts(7, 3) == [(0, 7)]
+    assert jit._token_parts(50, 1) == [(0, 50)] and jit._token_parts(7, 3) == [(0, 7)]
+    assert jit._token_parts(50, 3) == [(50 * i // 12, 50 * (i + 1) // 12) for i in range(12)]
+    seen = []
+
+    def fn(i):
+        seen.append(i)
+        if i == 5:
+            raise ValueError("range 5")
+    with pytest.raises(ValueError, match="range 5"):  # a failing range is reported, after every range ran
+        jit._run(fn, [(i,) for i in range(9)], 2)
+    assert sorted(seen) == list(range(9))
     for bits in (1, 2, 3, 4):
         for m, special in ((1, "none"), (3, "nan_w"), (5, "inf_q")):
             _compare_kernels(bits, 64, 2, m, 50, special, 7 * bits + m, strided=True, threads=3)

@@ -31,6 +31,7 @@ query value of 0 against a finite codebook value, and its accumulator is never r
 """
 from __future__ import annotations
 
+import itertools
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -54,8 +55,10 @@ def _args(codes, cb, bits, d):
     return codes, np.ascontiguousarray(cb, np.float32), int(bits), int(d)
 
 
-#: tokens a thread takes at least when a call is split over threads (smaller calls run on one thread)
-MIN_TOKENS_A_THREAD = 1024
+#: ``threads > 1``: a call's tokens are cut into ranges of at least this many tokens, about
+#: :data:`RANGES_A_THREAD` a thread, that the calling thread and the pool threads claim one at a time
+MIN_TOKENS_A_RANGE = 512
+RANGES_A_THREAD = 4
 _pools: dict[int, ThreadPoolExecutor] = {}
 _pools_lock = threading.Lock()
 
@@ -69,22 +72,45 @@ def _pool(n: int) -> ThreadPoolExecutor:
 
 
 def _token_parts(t_len: int, threads: int) -> list[tuple[int, int]]:
-    """Equal token ranges, one a thread (one range when the call is too small to split)."""
-    k = max(1, min(int(threads), t_len // MIN_TOKENS_A_THREAD))
+    """Equal token ranges: one with one thread (or a call too small to cut), else about
+    :data:`RANGES_A_THREAD` a thread, each of at least :data:`MIN_TOKENS_A_RANGE` tokens."""
+    k = 1 if threads <= 1 else max(1, min(RANGES_A_THREAD * int(threads), t_len // MIN_TOKENS_A_RANGE))
     bounds = [t_len * i // k for i in range(k + 1)]
     return list(zip(bounds[:-1], bounds[1:]))
 
 
-def _run(fn, calls) -> None:
-    """``fn(*args)`` for each ``args`` of ``calls``: the first on the calling thread, the others on pool threads
-    (the cores release the GIL)."""
-    if len(calls) == 1:
-        fn(*calls[0])
+def _run(fn, calls, threads: int) -> None:
+    """``fn(*args)`` for each ``args`` of ``calls``: the calling thread and ``threads - 1`` pool threads claim them
+    one at a time (the cores release the GIL); returns when every call is done, not waiting for a pool thread
+    that has not started (a busy core: the calling thread then does the work, near one thread's time)."""
+    n = len(calls)
+    if n == 1 or threads <= 1:
+        for a in calls:
+            fn(*a)
         return
-    futs = [_pool(len(calls) - 1).submit(fn, *a) for a in calls[1:]]
-    fn(*calls[0])
-    for f in futs:
-        f.result()
+    claim = itertools.count()  # next() is atomic under the GIL
+    lock = threading.Lock()
+    finished = threading.Event()
+    state = {"done": 0, "error": None}
+
+    def work() -> None:
+        while (i := next(claim)) < n:
+            try:
+                fn(*calls[i])
+            except BaseException as e:  # reported by the calling thread
+                state["error"] = e
+            with lock:
+                state["done"] += 1
+                if state["done"] == n:
+                    finished.set()
+
+    pool = _pool(threads - 1)
+    for _ in range(threads - 1):
+        pool.submit(work)
+    work()
+    finished.wait()
+    if state["error"] is not None:
+        raise state["error"]
 
 
 def _vperm_pays(bits: int, rows: int) -> bool:
@@ -124,7 +150,7 @@ def code_scores(qr, codes, norms, cb, bits, d, threads=1):
     norms = np.ascontiguousarray(norms, np.float32)
     out = np.empty((qr.shape[0], qr.shape[1], codes.shape[1]), np.float32)
     _run(_scores_core, [(qr, codes[:, a:b], norms[:, a:b], cb, bits, d, out[:, :, a:b])
-                        for a, b in _token_parts(codes.shape[1], threads)])
+                        for a, b in _token_parts(codes.shape[1], threads)], threads)
     return out
 
 
@@ -133,7 +159,7 @@ def code_values(w, codes, cb, bits, d, threads=1):
     w = np.ascontiguousarray(w, np.float32)
     parts = _token_parts(codes.shape[1], threads)
     outs = [np.empty((w.shape[0], w.shape[1], d), np.float32) for _ in parts]
-    _run(_values_core, [(w[:, :, a:b], codes[:, a:b], cb, bits, d, o) for (a, b), o in zip(parts, outs)])
-    for o in outs[1:]:  # the threads' partial sums (f32 addition order only)
+    _run(_values_core, [(w[:, :, a:b], codes[:, a:b], cb, bits, d, o) for (a, b), o in zip(parts, outs)], threads)
+    for o in outs[1:]:  # the ranges' partial sums, in range order whoever ran them (f32 addition order only)
         outs[0] += o
     return outs[0]
