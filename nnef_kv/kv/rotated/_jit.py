@@ -44,9 +44,24 @@ from ._vperm_jit import _scores_vperm, _values_vperm
 
 __all__ = ["code_scores", "code_values"]
 
-#: the host has AVX-512F (``vpermps`` over 16 lanes): the register-codebook cores (``_vperm_jit``) run, else
-#: the table cores (``_tables_jit``); tests set it False to run the table cores on such a host too
-VPERM = bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
+def _target_has_avx512f() -> bool:
+    """numba compiles for this host's CPU (``NUMBA_CPU_NAME`` unset or ``host``, as by default) and it has
+    AVX-512F; a named target CPU (portable caches) or ``NUMBA_CPU_FEATURES`` without ``+avx512f``: False."""
+    from numba.core import config
+
+    if config.CPU_NAME not in (None, "host"):
+        return False
+    if config.CPU_FEATURES and "+avx512f" not in config.CPU_FEATURES.split(","):
+        return False
+    try:
+        return bool(llvm_binding.get_host_cpu_features().get("avx512f", False))
+    except Exception:  # pragma: no cover - unknown host
+        return False
+
+
+#: the target has AVX-512F (``vpermps`` over 16 lanes): the register-codebook cores (``_vperm_jit``) run where
+#: they pay, else the table cores (``_tables_jit``); tests set it False to run the table cores on such a host too
+VPERM = _target_has_avx512f()
 
 
 # ------------------------------------------------------------------------------------------ wrappers
