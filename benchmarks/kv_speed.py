@@ -27,7 +27,8 @@ kernel; to measure a current NumPy at its best, unset both *for the benchmark co
 
 Run: ``python benchmarks/kv_speed.py --threads 1`` and ``--threads 2`` (``--repeat 30 --lengths 512 2048 8192
 --bits 8 4 2 1``). ``--rotated`` times the rotated-codebook op instead (:func:`rotated_main`: 3 kv heads x 64 and
-8 x 128, rotated 4/3/2-bit against exact f32, T = 8192 by default).
+8 x 128, rotated 4/3/2-bit against exact f32, T = 8192 by default; ``--threads N``: BLAS and the rotated op's
+loops over the codes, which split the tokens, both N threads).
 """
 from __future__ import annotations
 
@@ -208,7 +209,7 @@ def rotated_main(argv=None) -> dict:
                 q = rng.standard_normal((1, hq, 1, d)).astype(np.float32)
                 ops = {}
                 for bits in args.bits:
-                    op = RotatedSdpa(scale=d ** -0.5, bits=bits)
+                    op = RotatedSdpa(scale=d ** -0.5, bits=bits, threads=args.threads)
                     for t0 in range(0, t, 1024):
                         op(q[:, :, :0], k[:, :, t0:t0 + 1024], v[:, :, t0:t0 + 1024])
                     t0 = time.perf_counter()

@@ -5,6 +5,8 @@ NaN/Inf, the op in a graph, the scheme and its compare specs; ``nnef_kv_ggml_sdp
 direct implementation of llama.cpp's transform."""
 from __future__ import annotations
 
+import importlib
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -100,20 +102,36 @@ def test_rotation():
 def kernel_cases(draw):
     bits = draw(st.sampled_from([1, 2, 3, 4]))
     d = draw(st.sampled_from([1, 3, 8, 24, 32, 48, 64, 100, 128]))
-    n, m, t = draw(st.integers(1, 3)), draw(st.integers(1, 6)), draw(st.integers(0, 70))
+    n, m, t = draw(st.integers(1, 3)), draw(st.integers(1, 9)), draw(st.integers(0, 70))
     special = draw(st.sampled_from(["none", "nan_q", "inf_q", "nan_w", "inf_w", "zero_norm"]))
-    return bits, d, n, m, t, special, draw(st.integers(0, 2 ** 16))
+    return bits, d, n, m, t, special, draw(st.integers(0, 2 ** 16)), draw(st.booleans()), draw(st.booleans())
 
 
-@SETTINGS
-@given(kernel_cases())
-def test_kernels_against_their_references(case):
-    """numba scores and value sums equal the NumPy references up to the order of f32 additions, NaN and Inf
-    where the references have them (GQA rows, every bit width, non-power-of-two head_dim)."""
-    bits, d, n, m, t, special, seed = case
+def _strided(codes: np.ndarray, spare: int = 5) -> np.ndarray:
+    """``codes`` as the cache hands them to the kernels: a view of a buffer with spare capacity (rows strided)."""
+    buf = np.full((codes.shape[0], codes.shape[1] + spare, codes.shape[2]), 0xA5, np.uint8)
+    buf[:, :codes.shape[1]] = codes
+    return buf[:, :codes.shape[1]]
+
+
+def _check_kernels(bits, d, n, m, t, special, seed, strided, vperm=True):
+    """One case on the numba side; ``vperm=False`` runs the table cores even on an AVX-512 host (where the
+    register-codebook cores are the default)."""
+    jit = importlib.import_module("nnef_kv.kv.rotated._jit")
+    old = jit.VPERM
+    jit.VPERM = old and vperm
+    try:
+        _compare_kernels(bits, d, n, m, t, special, seed, strided)
+    finally:
+        jit.VPERM = old
+
+
+def _compare_kernels(bits, d, n, m, t, special, seed, strided, threads=1):
     rng = np.random.default_rng(seed)
     codec = RowCodec(bits, d)
     codes = codec.pack(rng.integers(0, 1 << bits, (n, t, d)))
+    if strided:
+        codes = _strided(codes)
     cb = codebook(bits, max(d, 1))
     qr = rng.standard_normal((n, m, d)).astype(np.float32)
     norms = rng.uniform(0, 3, (n, t)).astype(np.float32)
@@ -132,13 +150,58 @@ def test_kernels_against_their_references(case):
             norms[h, tt] = 0
             w[h, r, tt] = 0
     for fn, args in ((RA.code_scores, (qr, codes, norms, cb, bits, d)), (RA.code_values, (w, codes, cb, bits, d))):
-        want, got = fn.reference(*args), fn.jit(*args)
+        want, got = fn.reference(*args), fn.jit(*args, threads)
         assert got.shape == want.shape and got.dtype == np.float32
         np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
         np.testing.assert_array_equal(np.isinf(got), np.isinf(want))
         fin = np.isfinite(want)
         bound = 4e-7 * d * (np.abs(args[0]).max(initial=0, where=np.isfinite(args[0])) + 1) * 3 * max(t, 1)
         np.testing.assert_allclose(got[fin], want[fin], rtol=1e-5, atol=bound)
+
+
+@SETTINGS
+@given(kernel_cases())
+def test_kernels_against_their_references(case):
+    """numba scores and value sums equal the NumPy references up to the order of f32 additions, NaN and Inf
+    where the references have them (GQA rows: one row a kv head and groups of four, padded; every bit width,
+    non-power-of-two head_dim; codes contiguous or strided as the cache's views)."""
+    _check_kernels(*case)
+
+
+@pytest.mark.parametrize("vperm", [True, False])
+@pytest.mark.parametrize("bits", [1, 2, 3, 4])
+def test_kernels_every_path(bits, vperm):
+    """Every core and tail of the numba side against the reference: one row and 2..9 rows a kv head (groups
+    of four, the last one padded), head_dim with a partial last byte / 16-byte chunk / 24-bit word / odd
+    count of 3-bit pairs, strided codes; the register-codebook cores (AVX-512 hosts) and the table cores."""
+    for d in (1, 2, 3, 5, 8, 17, 24, 48, 64, 100, 128, 160):
+        for m in (1, 2, 3, 4, 5, 9):
+            for special in ("none", "nan_q", "inf_w"):
+                _check_kernels(bits, d, 2, m, 33, special, 1000 * d + 10 * m + bits, strided=(m % 2 == 1),
+                               vperm=vperm)
+
+
+@pytest.mark.parametrize("vperm", [True, False])
+def test_kernels_split_over_threads(vperm, monkeypatch):
+    """``threads > 1``: the tokens cut in ranges that the calling thread and pool threads claim (the value sums
+    added), the reference's results up to the order of the f32 additions."""
+    jit = importlib.import_module("nnef_kv.kv.rotated._jit")
+    monkeypatch.setattr(jit, "MIN_TOKENS_A_RANGE", 4)
+    monkeypatch.setattr(jit, "VPERM", jit.VPERM and vperm)
+    assert jit._token_parts(50, 1) == [(0, 50)] and jit._token_parts(7, 3) == [(0, 7)]
+    assert jit._token_parts(50, 3) == [(50 * i // 12, 50 * (i + 1) // 12) for i in range(12)]
+    seen = []
+
+    def fn(i):
+        seen.append(i)
+        if i == 5:
+            raise ValueError("range 5")
+    with pytest.raises(ValueError, match="range 5"):  # a failing range is reported, after every range ran
+        jit._run(fn, [(i,) for i in range(9)], 2)
+    assert sorted(seen) == list(range(9))
+    for bits in (1, 2, 3, 4):
+        for m, special in ((1, "none"), (3, "nan_w"), (5, "inf_q")):
+            _compare_kernels(bits, 64, 2, m, 50, special, 7 * bits + m, strided=True, threads=3)
 
 
 def test_forced_fallback_runs_the_reference(monkeypatch):

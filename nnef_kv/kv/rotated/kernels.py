@@ -10,12 +10,14 @@ codes of coordinates ``j, j + m, j + 2m, ...`` in its bit fields, ``m`` = bytes 
 * :func:`code_values` ``(w [n, M, T], codes, cb, bits, d) -> [n, M, D]``: ``sum_t w_t cb[code_t]``, the
   coded values accumulated in the rotated basis (``w`` = softmax weight x norm).
 
-numba (``_jit``), planar layouts: for each query row a table ``L[j, b]`` = the contribution of byte
-value ``b`` at byte ``j`` (``sum_k qr[j + k m] cb[field_k(b)]``, 256 entries a byte) is built once, and a token's
-score is ``m`` lookups and adds; the values use the transpose of that idea, a weight histogram ``H[j, b] += w_t``
-(``m`` adds a token), turned into the ``D`` outputs once at the end. 3 bits: each token's codebook row
-decoded once and dotted with (or added to) every query row. The sums are the reference's up to the order of
-the f32 additions; NaN and Inf propagate as IEEE arithmetic does in any order (no fastmath).
+numba (``_jit``; its docstring has the details): on hosts with AVX-512F the codebook sits in one register
+and each token's codes are decoded 16 at a time by a lane permute, then dotted with the query rows (scores)
+or added to the rows' accumulators (values), four query rows of a kv head per decode (GQA). Elsewhere a score
+is a sum of table lookups, one table entry per code index (a nibble or byte of planar codes, a six-bit field
+of two 3-bit codes), and the values use a weight histogram by index, turned into the ``D`` outputs at the
+end; query rows sharing a kv head are served four at a time from 4-float entries. The sums are the
+reference's up to the order of the f32 additions; NaN and Inf propagate as IEEE arithmetic does in any order
+(no fastmath).
 """
 from __future__ import annotations
 
@@ -33,10 +35,10 @@ def decode(codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
 
 
 @kernel("nnef_kv.kv.rotated._jit:code_scores")
-def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.ndarray, bits: int, d: int
-                ) -> np.ndarray:
+def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.ndarray, bits: int, d: int,
+                threads: int = 1) -> np.ndarray:
     """``[n, M, T]`` f32: ``norms[n, t] * sum_j qr[n, m, j] * cb[codes[n, t, j]]`` (reference: the codes
-    decoded, a matmul)."""
+    decoded, a matmul; ``threads``: the numba side splits the tokens over that many threads)."""
     dec = decode(codes, cb, bits, d)
     s = np.matmul(np.asarray(qr, np.float32), dec.swapaxes(1, 2))
     with np.errstate(invalid="ignore", over="ignore"):
@@ -45,8 +47,10 @@ def code_scores(qr: np.ndarray, codes: np.ndarray, norms: np.ndarray, cb: np.nda
 
 
 @kernel("nnef_kv.kv.rotated._jit:code_values")
-def code_values(w: np.ndarray, codes: np.ndarray, cb: np.ndarray, bits: int, d: int) -> np.ndarray:
-    """``[n, M, D]`` f32: ``sum_t w[n, m, t] * cb[codes[n, t, :]]`` (reference: decoded, a matmul)."""
+def code_values(w: np.ndarray, codes: np.ndarray, cb: np.ndarray, bits: int, d: int, threads: int = 1
+                ) -> np.ndarray:
+    """``[n, M, D]`` f32: ``sum_t w[n, m, t] * cb[codes[n, t, :]]`` (reference: decoded, a matmul;
+    ``threads``: the numba side splits the tokens over that many threads and adds their sums)."""
     dec = decode(codes, cb, bits, d)
     with np.errstate(invalid="ignore", over="ignore"):
         return np.matmul(np.asarray(w, np.float32), dec)

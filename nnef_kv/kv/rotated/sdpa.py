@@ -208,7 +208,7 @@ class RotatedSdpa(BufferCheckpoint):
     QUANTIZED = True
 
     def __init__(self, axis: int = 2, scale: float = 0.125, bits: int = 4, key_bits: int = 0, value_bits: int = 0,
-                 residual: int = 0, sinks: int = 0, is_causal: bool = True, seed: int = 0) -> None:
+                 residual: int = 0, sinks: int = 0, is_causal: bool = True, seed: int = 0, threads: int = 1) -> None:
         if int(axis) != 2:
             raise GraphError(f"{self.WHO}: only axis 2 of [B, H, S, D] is supported, got {axis}")
         self.axis = 2
@@ -216,6 +216,7 @@ class RotatedSdpa(BufferCheckpoint):
                                  value_bits=int(value_bits), residual=int(residual), sinks=int(sinks),
                                  is_causal=bool(is_causal), seed=int(seed))
         self.cfg.validate(self.WHO)
+        self.threads = max(1, int(threads))  # threads of the numba loops over the codes (not an NNEF attribute)
         self.reset()
 
     # ================================================================================== state
@@ -366,7 +367,7 @@ class RotatedSdpa(BufferCheckpoint):
             qr = np.matmul(q2, self.rot)  # the query rotated once (BLAS: it is not stored)
             kn = f16_to_f32(knorm)
             scores_fn = RA.code_scores if m <= KERNEL_ROWS else RA.code_scores.reference
-            s_q = scores_fn(qr, kcodes, kn, kpart.cb, kpart.bits, d)
+            s_q = scores_fn(qr, kcodes, kn, kpart.cb, kpart.bits, d, self.threads)
             s_q *= scale
             if kidx.shape[0]:  # exact scores of the vectors kept exactly
                 h, t = kidx[:, 0], kidx[:, 1]
@@ -395,7 +396,7 @@ class RotatedSdpa(BufferCheckpoint):
             p_q = p[:, :, :tq]
             w = p_q * f16_to_f32(vnorm)[:, None, :]
             values_fn = RA.code_values if m <= KERNEL_ROWS else RA.code_values.reference
-            out_rot = values_fn(w, vcodes, vpart.cb, vpart.bits, d)
+            out_rot = values_fn(w, vcodes, vpart.cb, vpart.bits, d, self.threads)
             out += np.matmul(out_rot, self.rot.T)
             if vidx.shape[0]:
                 h, t = vidx[:, 0], vidx[:, 1]
