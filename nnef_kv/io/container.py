@@ -31,6 +31,7 @@ from ..atomic import atomic_dir, atomic_write, default_mode  # noqa: F401 (defau
 from ..errors import ArchiveError, LimitError, OutputError
 from ..limits import Limits, current_limits
 from ..targets import check_file, check_folder, kind_of, resolve
+from ..tensors.pages import release_buffer
 from ..tensors.dat import HEADER_SIZE
 
 GZIP_MAGIC = b"\x1f\x8b"
@@ -457,11 +458,15 @@ def gzip_writer(fileobj: BinaryIO, level: int | None = None, size: int | None = 
 
 
 def write_tar_stream(fileobj: BinaryIO, members: Iterable[tuple[str, Sequence[Buffer]]]) -> None:
-    """Write a reproducible tar of ``(name, buffers)`` (already sorted) to ``fileobj``."""
+    """Write a reproducible tar of ``(name, buffers)`` (already sorted) to ``fileobj``. A buffer memory-mapped
+    from a model file gives its pages back once written (:func:`~nnef_kv.tensors.pages.release_buffer`):
+    saving a loaded model does not make the whole input resident."""
     with tarfile.open(fileobj=fileobj, mode="w", format=tarfile.PAX_FORMAT, encoding="utf-8") as tf:
         for name, parts in members:
             size = sum(memoryview(p).nbytes for p in parts)
             tf.addfile(_tarinfo(name, size), io.BufferedReader(_PartsReader(parts), buffer_size=1 << 20))
+            for p in parts:
+                release_buffer(p)
 
 
 def write_container(path: str | os.PathLike, members: dict[str, Sequence[Buffer]], kind: str | None = None) -> str:
@@ -481,6 +486,7 @@ def write_container(path: str | os.PathLike, members: dict[str, Sequence[Buffer]
                 with open(out, "wb") as f:
                     for p in members[n]:
                         f.write(p)
+                        release_buffer(p)
         return kind
     if kind not in ("tgz", "tar"):
         raise ArchiveError(f"{where}: unknown container kind {kind!r}")

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import mmap
 
-__all__ = ["release_pages"]
+__all__ = ["release_pages", "release_buffer"]
 
 
 def _mapping_of(obj: object) -> mmap.mmap | None:
@@ -43,3 +43,19 @@ def release_pages(array: object) -> int:
         return 0
     mm.madvise(mmap.MADV_DONTNEED, lo, hi - lo)
     return hi - lo
+
+
+def release_buffer(buf: object) -> int:
+    """:func:`release_pages` of any buffer a writer is handed (an array, a memoryview of a file mapping): its
+    resident pages of a read-only model file given back once written; 0 for anything else (bytes, memory
+    of the process's own)."""
+    import numpy as np
+
+    if isinstance(buf, np.ndarray):
+        return release_pages(buf)
+    if _mapping_of(buf) is None:
+        return 0
+    try:
+        return release_pages(np.frombuffer(buf, np.uint8))  # type: ignore[call-overload]
+    except (TypeError, ValueError, BufferError):
+        return 0
