@@ -28,6 +28,8 @@ printed with the ``uptime`` load average: other processes share this machine.
     python benchmarks/scale.py --rows decode --steps 24
     python benchmarks/scale.py --layers 4           # a quick smoke run of the same shape, fewer layers
     python benchmarks/scale.py --weights q4_0       # the linear weights as Q4_0 blocks
+    python benchmarks/scale.py --shape llama1b --weights q4_0 --rows memory,decode --no-loaded
+                                                    # Llama-3.2-1B's shape (tied embedding), Q4_0 linears
 """
 from __future__ import annotations
 
@@ -58,6 +60,19 @@ def smollm2_config(layers: int = 30, weights: str = "f32") -> Any:
 
     return DecoderConfig(vocab=49152, hidden=576, layers=layers, heads=9, kv_heads=3, head_dim=64, mlp=1536,
                          rope_theta=1e5, cache="explicit", init_std=576 ** -0.5, weights=weights, name="smollm2")
+
+
+def llama1b_config(layers: int = 16, weights: str = "f32") -> Any:
+    """Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 / 8 heads x 64, ffn 8192, vocab 128256, tied embedding
+    (with ``--weights q4_0`` the linear weights are Q4_0 blocks, the tied embedding and LM head one f32 array)."""
+    from nnef_kv.models import DecoderConfig
+
+    return DecoderConfig(vocab=128256, hidden=2048, layers=layers, heads=32, kv_heads=8, head_dim=64, mlp=8192,
+                         rope_theta=5e5, cache="explicit", init_std=2048 ** -0.5, weights=weights,
+                         tied_embeddings=True, name="llama1b")
+
+
+SHAPES = {"smollm2": (smollm2_config, 30, "SmolLM2-135M"), "llama1b": (llama1b_config, 16, "Llama-3.2-1B")}
 
 
 def uptime() -> str:
@@ -321,7 +336,9 @@ def main() -> None:
     ap.add_argument("--rows", default="memory,decode,write,products,tools", help="which rows, comma-separated")
     ap.add_argument("--context", type=int, default=256, help="tools rows: validate's and compare's context")
     ap.add_argument("--eval-tokens", type=int, default=32, help="tools rows: predictions measured")
-    ap.add_argument("--layers", type=int, default=30, help="decoder layers (30: SmolLM2-135M)")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="smollm2",
+                    help="the model's shape: SmolLM2-135M (default) or Llama-3.2-1B (tied embedding)")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default: the shape's, 30 / 16)")
     ap.add_argument("--weights", choices=["f32", "q4_0"], default="f32",
                     help="the linear weights as f32 or as Q4_0 blocks (the embedding stays f32)")
     ap.add_argument("--steps", type=int, default=17, help="decode calls per setting (the first is the prompt)")
@@ -336,15 +353,18 @@ def main() -> None:
     from nnef_kv.interpreter.session import Session
     from nnef_kv.models import build_decoder
 
-    print(f"# benchmarks/scale.py: SmolLM2-135M shape, {args.layers} layers, {args.weights}, explicit caches; "
+    make, layers, title = SHAPES[args.shape]
+    args.layers = layers if args.layers is None else args.layers
+    cfg = make(args.layers, args.weights)
+    print(f"# benchmarks/scale.py: {title} shape, {args.layers} layers, {args.weights}, explicit caches; "
           f"{os.cpu_count()} CPUs; {uptime()}")
     with tempfile.TemporaryDirectory(prefix="nnef-kv-scale-") as tmp_name:
         tmp = Path(tmp_name)
         t = time.perf_counter()
-        folder = nnef_kv.save(build_decoder(smollm2_config(args.layers, args.weights)), tmp / "smollm2.tar")
+        folder = nnef_kv.save(build_decoder(cfg), tmp / f"{args.shape}.tar")
         print(f"built and saved {folder.name}: {folder.stat().st_size / MIB:.0f} MiB in "
               f"{time.perf_counter() - t:.1f} s")
-        prompt = np.random.default_rng(42).integers(0, 49152, args.prompt).astype(np.int64)
+        prompt = np.random.default_rng(42).integers(0, cfg.vocab, args.prompt).astype(np.int64)
         model = nnef_kv.load(folder)
         if "memory" in rows:
             memory_rows(folder, prompt, _NnefKvCalls(Session(model, threads=1)).sig)

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import mmap
 
-__all__ = ["release_pages", "release_buffer"]
+__all__ = ["release_pages", "release_buffer", "trim_heap"]
 
 
 def _mapping_of(obj: object) -> mmap.mmap | None:
@@ -59,3 +59,29 @@ def release_buffer(buf: object) -> int:
         return release_pages(np.frombuffer(buf, np.uint8))  # type: ignore[call-overload]
     except (TypeError, ValueError, BufferError):
         return 0
+
+
+_TRIM: list = []
+
+
+def trim_heap() -> bool:
+    """Give the C heap's freed memory back to the system (glibc's ``malloc_trim(0)``; elsewhere nothing).
+    Planning a model makes and drops large temporaries (weights repacked one by one, then side by side):
+    glibc keeps such freed blocks in its heap, counted in the process's memory, until trimmed. Returns
+    whether a trim ran."""
+    if not _TRIM:
+        fn = None
+        try:
+            import ctypes
+            import sys
+
+            if sys.platform.startswith("linux"):
+                fn = getattr(ctypes.CDLL("libc.so.6"), "malloc_trim", None)
+        except (OSError, AttributeError):
+            fn = None
+        _TRIM.append(fn)
+    fn = _TRIM[0]
+    if fn is None:
+        return False
+    fn(0)
+    return True

@@ -28,6 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...tensors.blockquant import BLOCK_LEN, BlockQuantTensor
+from ...tensors.pages import release_pages
 from ..catalog import ops_having
 from ..graph import Node, slots_of
 from ..values import Lazy
@@ -110,6 +111,7 @@ def rewrite_block_product(node: Node, base: list[Any], consts: set[int]) -> tupl
 
     n, k = t.size // t.shape[-1], t.shape[-1]
     packed = repack(t.reshaped((n, k)))
+    release_pages(getattr(t, "blocks", None))  # a memory-mapped original, read once to repack: given back
     generic = lookup(node.op).kernel
     op, shape = node.op, t.shape
 
@@ -143,10 +145,12 @@ def fuse_block_projections(steps: list[Any], nodes: list[Node], kernels: dict[in
         scales = np.ascontiguousarray(np.concatenate([p.scales for p in ps], axis=1))
         both = PackedWeights(format=fmt, shape=(codes.shape[1], k), codes=codes, scales=scales,
                              finite_scales=all(p.finite_scales for p in ps))
-        fallbacks = [kernels[i] for i in members]
+        # the parts' fallbacks (each dequantizes its original weight), not the parts' kernels: those hold
+        # the separately repacked arrays, which the joint copy replaces (kept, they doubled q/k/v and gate/up)
+        fallbacks = [kernels[i].fallback for i in members]
 
         def fb(xv: np.ndarray, bias: Any, fallbacks: list = fallbacks) -> np.ndarray:
-            return np.concatenate([f.fallback(xv, None) for f in fallbacks], axis=-1)
+            return np.concatenate([f(xv, None) for f in fallbacks], axis=-1)
 
         joint = BlockLinear(both, fb)
         parts, at = [], 0

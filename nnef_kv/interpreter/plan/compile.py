@@ -12,6 +12,7 @@ from ...errors import GraphError, LimitError, NnefKvError
 from ...grammar import ast
 from ...grammar.printer import expr_text
 from ...limits import Limits, using_limits
+from ...tensors.pages import trim_heap
 from ..builder import GraphBuilder
 from .core import Plan, build_plan
 
@@ -62,6 +63,7 @@ def get_plan(model: PlannedModel, prepare_weights: bool = True) -> Plan:
     plan.fingerprint = hashlib.sha256((plan.fingerprint + repr(model.document)).encode()).hexdigest()
     if not prepare_weights:
         return plan
+    trim_heap()  # the weights' temporaries (repacked one by one, then side by side) leave the process
     try:
         object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
     except (AttributeError, TypeError):
