@@ -111,7 +111,7 @@ def rewrite_block_product(node: Node, base: list[Any], consts: set[int]) -> tupl
 
     n, k = t.size // t.shape[-1], t.shape[-1]
     packed = repack(t.reshaped((n, k)))
-    release_pages(getattr(t, "blocks", None))  # a memory-mapped original, read once to repack: given back
+    release_pages(t.blocks)  # a memory-mapped original, read once to repack: given back
     generic = lookup(node.op).kernel
     op, shape = node.op, t.shape
 
