@@ -18,8 +18,8 @@ printed with the ``uptime`` load average: other processes share this machine.
   compressor :func:`nnef_kv.io.container.gzip_writer` picks), and ``convert`` to KIVI-4 into a ``.tgz``;
   zlib's levels timed on ``--gzip-mib`` MiB of the archive (the rate is per MiB: at 7 MiB/s a whole
   archive takes minutes).
-* ``--rows products``: ``x @ W.T`` on the transposed view against a contiguous transposed copy (what
-  the plan did before), BLAS on one thread.
+* ``--rows products``: GB/s of ``x @ W.T`` on BLAS (the transposed view, a contiguous ``[in, out]``
+  copy) and on the numba few-row kernel, one thread, the weights read from memory.
 * ``--rows tools``: ``inspect``, ``convert`` to KIVI-4, ``validate`` of it against the archive and
   ``compare --jobs 2`` / ``--jobs 1``, each command's processes sampled every 50 ms: the peak of their summed
   PSS (shared pages counted once in all) and of the largest process's RSS (``tools/pss_peak.py``).
@@ -30,6 +30,8 @@ printed with the ``uptime`` load average: other processes share this machine.
     python benchmarks/scale.py --weights q4_0       # the linear weights as Q4_0 blocks
     python benchmarks/scale.py --shape llama1b --weights q4_0 --rows memory,decode --no-loaded
                                                     # Llama-3.2-1B's shape (tied embedding), Q4_0 linears
+    python benchmarks/scale.py --shape smollm2-360m --rows write
+                                                    # SmolLM2-360M's shape: 1.45 GB of f32 weights
 """
 from __future__ import annotations
 
@@ -62,6 +64,16 @@ def smollm2_config(layers: int = 30, weights: str = "f32") -> Any:
                          rope_theta=1e5, cache="explicit", init_std=576 ** -0.5, weights=weights, name="smollm2")
 
 
+def smollm2_360m_config(layers: int = 32, weights: str = "f32") -> Any:
+    """SmolLM2-360M's shape: hidden 960, 32 layers, 15 / 5 heads x 64, ffn 2560, vocab 49152, tied embedding
+    (1.45 GB of f32 weights, the issue's conversion case)."""
+    from nnef_kv.models import DecoderConfig
+
+    return DecoderConfig(vocab=49152, hidden=960, layers=layers, heads=15, kv_heads=5, head_dim=64, mlp=2560,
+                         rope_theta=1e5, cache="explicit", init_std=960 ** -0.5, weights=weights,
+                         tied_embeddings=True, name="smollm2_360m")
+
+
 def llama1b_config(layers: int = 16, weights: str = "f32") -> Any:
     """Llama-3.2-1B's shape: hidden 2048, 16 layers, 32 / 8 heads x 64, ffn 8192, vocab 128256, tied embedding
     (with ``--weights q4_0`` the linear weights are Q4_0 blocks, the tied embedding and LM head one f32 array)."""
@@ -72,7 +84,8 @@ def llama1b_config(layers: int = 16, weights: str = "f32") -> Any:
                          tied_embeddings=True, name="llama1b")
 
 
-SHAPES = {"smollm2": (smollm2_config, 30, "SmolLM2-135M"), "llama1b": (llama1b_config, 16, "Llama-3.2-1B")}
+SHAPES = {"smollm2": (smollm2_config, 30, "SmolLM2-135M"), "smollm2-360m": (smollm2_360m_config, 32, "SmolLM2-360M"),
+          "llama1b": (llama1b_config, 16, "Llama-3.2-1B")}
 
 
 def uptime() -> str:
@@ -263,31 +276,47 @@ def write_rows(model: Any, folder: Path, tmp: Path, gzip_mib: int, convert: bool
 
 # ------------------------------------------------------------------------------------------------ products
 def product_rows() -> None:
+    """GB/s of weight read by ``x @ W.T`` for the weights' ``[out, in]`` layout, one thread, the weights cycled
+    through about 600 MB so that every call reads them from memory (as a decode step does): BLAS on the
+    transposed view (what the plan gives BLAS), BLAS on a contiguous ``[in, out]`` copy, and the numba
+    few-row kernel (``nnef_kv.kernels.gemv.rows_by_t``, up to its ``MAX_ROWS``)."""
     from threadpoolctl import threadpool_limits
+
+    from nnef_kv.kernels import gemv
 
     rng = np.random.default_rng(0)
 
-    def best(f: Any, reps: int) -> float:
-        f()
-        ts = []
+    def best(f: Any, ws: list, reps: int = 3) -> float:
+        f(ws[0])
+        t_best = 1e9
         for _ in range(reps):
             t = time.perf_counter()
-            f()
-            ts.append(time.perf_counter() - t)
-        return min(ts)
+            for w in ws:
+                f(w)
+            t_best = min(t_best, time.perf_counter() - t)
+        return sum(w.nbytes for w in ws) / t_best / 1e9
 
-    print(f"\n## products by a transposed weight, BLAS on one thread, best of N ({uptime()})")
-    print("| rows x in x out | contiguous copy us | transposed view us | view / copy |")
-    print("|---|---|---|---|")
+    print(f"\n## products by a [out, in] weight, one thread, GB/s of weight read, weights cycled through ~600 MB "
+          f"({uptime()})")
+    print("| rows x in x out | BLAS on W.T (view) | BLAS on a [in, out] copy | rows_by_t (numba) | numba / BLAS view |")
+    print("|---|---|---|---|---|")
     with threadpool_limits(1, "blas"):
-        for m, k, n in [(1, 576, 1536), (1, 1536, 576), (1, 576, 49152), (8, 576, 1536), (64, 576, 1536),
-                        (512, 576, 1536), (512, 1536, 576)]:
+        for m, k, n in [(1, 576, 1536), (1, 1536, 576), (1, 576, 1728), (1, 576, 49152), (2, 576, 1536),
+                        (4, 576, 1536), (8, 576, 1536), (64, 576, 1536), (512, 576, 1536)]:
+            count = max(1, int(600e6 / (n * k * 4)))
+            ws = [rng.standard_normal((n, k), np.float32) for _ in range(count)]
             a = rng.standard_normal((m, k), np.float32)
-            w = rng.standard_normal((n, k), np.float32)
-            bt = np.ascontiguousarray(w.T)
-            reps = min(300, max(5, int(1e8 / (m * k * n))))
-            c, v = best(lambda: a @ bt, reps), best(lambda: a @ w.T, reps)
-            print(f"| {m} x {k} x {n} | {c * 1e6:.1f} | {v * 1e6:.1f} | {v / c:.2f} |", flush=True)
+            out = np.empty((m, n), np.float32)
+            view = best(lambda w: np.matmul(a, w.T, out=out), ws)
+            copies = [np.ascontiguousarray(w.T) for w in ws]
+            copy = best(lambda bt: np.matmul(a, bt, out=out), copies)
+            del copies
+            if m <= gemv.MAX_ROWS:
+                nb = best(lambda w: gemv.rows_by_t(a, w, out, 0, n), ws)
+                cells = f"{nb:.1f} | {nb / view:.2f}x"
+            else:
+                cells = "(BLAS above MAX_ROWS) | "
+            print(f"| {m} x {k} x {n} | {view:.1f} | {copy:.1f} | {cells} |", flush=True)
 
 
 # ------------------------------------------------------------------------------------------------ tools

@@ -429,11 +429,11 @@ def _tarinfo(name: str, size: int) -> tarfile.TarInfo:
     return ti
 
 
-#: the zlib level a ``.tgz`` is written with when ISA-L's bindings (``isal``) are not installed. On f32
+#: the zlib level a ``.tgz`` is written with when ISA-L's bindings (``isal``, a dependency) cannot be imported. On f32
 #: weights every level gives about the same size and zlib is the slowest step of ``convert``: ``python
 #: benchmarks/scale.py --gzip`` prints the levels' times and sizes (docs/benchmarks.md)
 ZLIB_LEVEL = 1
-#: the level given to ``isal.igzip`` when installed (``pip install isal``): many times zlib's speed at the
+#: the level given to ``isal.igzip`` (the ``isal`` dependency): many times zlib's speed at the
 #: same size (docs/benchmarks.md)
 ISAL_LEVEL = 1
 #: archives whose members total less than this are written as before (zlib level 6): the same bytes on every

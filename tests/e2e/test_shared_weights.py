@@ -192,8 +192,8 @@ def _refuse_weight_preparation(monkeypatch) -> list[str]:
 
     names = []
     for mod, name in ((weights, "_prepare_weight"), (weights, "rewrite_weights"), (weights, "fuse_projections"),
-                      (weights, "_fused"), (blockweights, "rewrite_block_product"), (blockweights, "materialize"),
-                      (blockweights, "fuse_block_projections")):
+                      (weights, "_stacked"), (weights, "place_weights"), (blockweights, "rewrite_block_product"),
+                      (blockweights, "materialize"), (blockweights, "fuse_block_projections")):
         monkeypatch.setattr(mod, name, boom(name))
         names.append(name)
     return names

@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 from nnef_kv.tensors.blockquant import Q4_0_GGML, Q4_0_LEGACY, BlockQuantTensor
 from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
 from nnef_kv.kernels import blockquant as bq
+from nnef_kv.kernels import gemv as gv
 from nnef_kv.kv.kivi import kernels as ka
 from nnef_kv.kv.kivi import KiviSdpa
 
@@ -57,7 +58,8 @@ def mode(request, monkeypatch):
 
 # ===================================================================================== dispatch
 def test_import_of_nnef_kv_and_the_kernel_modules_does_not_import_numba():
-    code = ("import sys, nnef_kv, nnef_kv.kernels, nnef_kv.kernels.blockquant, nnef_kv.kv.kivi.kernels, "
+    code = ("import sys, nnef_kv, nnef_kv.kernels, nnef_kv.kernels.blockquant, nnef_kv.kernels.gemv, "
+            "nnef_kv.kv.kivi.kernels, "
             "nnef_kv.interpreter, nnef_kv.kv; print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
@@ -236,6 +238,71 @@ def test_shape_errors():
         bq.matvec(p, np.ones((2, 64), np.float32))
     with pytest.raises(ValueError):  # blocks that span rows cannot be repacked as [N, K]
         bq.repack(BlockQuantTensor.quantize_q4_0(np.ones((4, 64), np.float32)).reshaped((16, 16)))
+
+
+# ============================================================================ f32 few-row products
+@HYP
+@given(m=st.integers(1, gv.MAX_ROWS), n=st.integers(1, 90), k=st.integers(1, 300), f64=st.booleans(),
+       special=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 3e38]), max_size=3),
+       cut=st.integers(0, 90), seed=st.integers(0, 2**31 - 1))
+def test_rows_by_t_matches_the_product(mode, m, n, k, f64, special, cut, seed):
+    """``out[:, lo:hi] = a @ w[lo:hi].T`` within the dot-product bound (same NaN/Inf pattern); the columns
+    outside lo:hi are left as they were; and with numba the split at any row gives the unsplit call's bits."""
+    rng = np.random.default_rng(seed)
+    dt = np.float64 if f64 else np.float32
+    a = rng.standard_normal((m, k)).astype(dt)
+    w = rng.standard_normal((n, k)).astype(dt)
+    for val in special:
+        a.reshape(-1)[rng.integers(0, a.size)] = val
+    whole = np.full((m, n), 7.0, dt)
+    with np.errstate(invalid="ignore", over="ignore"):
+        gv.rows_by_t(a, w, whole, 0, n)
+        h = min(cut, n)
+        parts = np.full((m, n), 7.0, dt)
+        gv.rows_by_t(a, w, parts, h, n)
+        assert np.all(parts[:, :h] == 7.0)
+        gv.rows_by_t(a, w, parts, 0, h)
+    if mode == "numba":  # BLAS (the reference) may round a part of the product otherwise than the whole
+        np.testing.assert_array_equal(parts, whole)
+    if not f64:
+        _check_product(whole, a, w.T)
+    else:
+        ref = a @ w.T
+        assert np.array_equal(np.isnan(whole), np.isnan(ref))
+        fin = np.isfinite(ref)
+        bound = 4 * k * np.finfo(np.float64).eps * (np.abs(a) @ np.abs(w).T)
+        assert np.all(np.abs(whole - ref)[fin] <= bound[fin] + 1e-300)
+
+
+@requires_numba
+def test_rows_by_t_bits_do_not_depend_on_the_rows_or_a_stacked_weight():
+    """Each output is one dot product of its own: the same bits for a row alone or among four, and for a
+    weight alone or stacked under another (a fused q/k/v projection)."""
+    rng = np.random.default_rng(11)
+    a = rng.standard_normal((4, 576)).astype(np.float32)
+    w1, w2 = (rng.standard_normal((n, 576)).astype(np.float32) for n in (96, 40))
+    stacked = np.concatenate([w1, w2])
+    four, alone, fused = np.empty((4, 96), np.float32), np.empty((1, 96), np.float32), np.empty((4, 136), np.float32)
+    gv.rows_by_t.jit(a, w1, four, 0, 96)
+    gv.rows_by_t.jit(a[2:3], w1, alone, 0, 96)
+    gv.rows_by_t.jit(a, stacked, fused, 0, 136)
+    np.testing.assert_array_equal(alone[0], four[2])
+    np.testing.assert_array_equal(fused[:, :96], four)
+    with pytest.raises(ValueError, match="rows 0:97"):
+        gv.rows_by_t.jit(a, w1, four, 0, 97)
+    with pytest.raises(ValueError, match="shapes"):
+        gv.rows_by_t.jit(a[:, :10], w1, four, 0, 96)
+
+
+def test_gemv_usable_only_for_few_rows_by_a_transposed_contiguous_weight():
+    w = np.ones((32, 16), np.float32)
+    a = np.ones((2, 16), np.float32)
+    assert gv.usable(a, w.T)
+    assert not gv.usable(np.ones((gv.MAX_ROWS + 1, 16), np.float32), w.T)  # a prefill: BLAS
+    assert not gv.usable(a, np.ascontiguousarray(w.T))  # an [in, out] array
+    assert not gv.usable(a.astype(np.float16), w.T.astype(np.float16))
+    assert not gv.usable(a.astype(np.float64), w.T)
+    assert not gv.usable(np.ones((2, 32), np.float32)[:, ::2], w.T)  # a strided input
 
 
 # ==================================================================================== KIVI

@@ -155,16 +155,45 @@ def test_default_threads_step_back_to_one_while_other_processes_hold_the_cpus(mo
     assert parallel.run_threads(2, auto=False) == 2 and parallel.run_threads(1, auto=True) == 1
 
 
-def test_results_are_the_same_bits_on_one_thread_two_threads_and_paused(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 2 rows x 576 x 960 by a transposed weight: BLAS rounds the whole product and its halves differently
+@pytest.mark.parametrize("rows", [2, 8])
+def test_results_are_the_same_bits_on_one_thread_two_threads_and_paused(monkeypatch: pytest.MonkeyPatch,
+                                                                       rows: int) -> None:
+    # rows x 576 x 960 by a transposed weight. A few rows run on the numba kernel (each output one dot product,
+    # however the outputs are split); more rows on BLAS, which rounds the whole product and its halves
+    # differently: always the halves
+    from nnef_kv.kernels.gemv import MAX_ROWS, rows_by_t
+
     model, w = _model(576, 960, seed=3)
-    x = np.random.default_rng(4).standard_normal((1, 2, 576)).astype(np.float32)
+    x = np.random.default_rng(4).standard_normal((1, rows, 576)).astype(np.float32)
     whole = x[0] @ w[0].T
-    halves = parallel.halves(x[0], w[0].T)
+    if rows <= MAX_ROWS and parallel.gemv_on():
+        expected = np.empty_like(whole)
+        rows_by_t(x[0], w[0], expected, 0, 960)
+    else:
+        expected = parallel.halves(x[0], w[0].T)
+    monkeypatch.setattr(parallel, "MIN_ROWS_SPLIT_BYTES", 0)  # split the few-row product too (an LM head's size)
+    before = _splits()
     one = Session(model, threads=1).run({"x": x})["y"]
     two = Session(model, threads=2).run({"x": x})["y"]
-    np.testing.assert_array_equal(one[0], halves)
+    assert _splits() == before + 1  # the threads=2 run split it
+    np.testing.assert_array_equal(one[0], expected)
     np.testing.assert_array_equal(two, one)
     monkeypatch.setattr(parallel.SPLITTER, "_skip", 5)  # paused: the caller computes both halves itself
     np.testing.assert_array_equal(Session(model, threads=2).run({"x": x})["y"], one)
     np.testing.assert_allclose(one[0], whole, rtol=1e-4, atol=1e-4)
+
+
+def test_a_decode_product_is_split_only_from_an_lm_head_s_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # with the numba few-row kernel one core streams a layer's weight about as fast as two: only a weight of
+    # MIN_ROWS_SPLIT_BYTES or more (an LM head) is split for a one-row product
+    if not parallel.gemv_on():
+        pytest.skip("numba is off: few-row products are BLAS's, split by split_worth")
+    x = np.random.default_rng(2).standard_normal((1, 1, 576)).astype(np.float32)
+    model, w = _model(576, 1536)  # 3.5 MB
+    before = _splits()
+    y = Session(model, threads=2).run({"x": x})["y"]
+    assert _splits() == before
+    np.testing.assert_allclose(y[0], x[0] @ w[0].T, rtol=1e-4, atol=1e-4)
+    monkeypatch.setattr(parallel, "MIN_ROWS_SPLIT_BYTES", w.nbytes)
+    assert np.array_equal(Session(model, threads=2).run({"x": x})["y"], y)  # split now: the same bits
+    assert _splits() == before + 1

@@ -160,6 +160,8 @@ class Draft:
     step_nodes: list[Node] = field(default_factory=list)
     #: (step index, input slot, [in, out] weight, output slot, slot of that weight in base)
     projections: list[tuple[int, int, np.ndarray, int, int]] = field(default_factory=list)
+    #: base slots of the prepared weights of products (see weights.place_weights)
+    weight_slots: list[int] = field(default_factory=list)
     frees: list[tuple[int, ...]] | None = None
     #: id(step node) -> its block-weight product (:mod:`.blockweights`)
     block_products: dict[int, Any] = field(default_factory=dict)
@@ -334,6 +336,9 @@ def steps(d: Draft) -> None:
             raise GraphError(f"{node.location}: operation '{node.op}' has no kernel (node '{node.name}')")
         if item.rewritten:
             ins = item.ins
+            if item.kernel in (W._matmul_pretransposed, W._linear_pretransposed) and isinstance(ins[1], tuple) \
+                    and ins[1][0] == "const":  # make_step puts the constants in base in their order
+                d.weight_slots.append(len(d.base) + sum(isinstance(x, tuple) and x[0] == "const" for x in ins[:1]))
             if (item.kernel is W._matmul_pretransposed or (item.kernel is W._linear_pretransposed and ins[2] is None)) \
                     and isinstance(ins[0], int) and len(node.outputs) == 1 and isinstance(node.outputs[0], int):
                 d.projections.append((len(d.steps), ins[0], ins[1][1], node.outputs[0], len(d.base)))
@@ -351,6 +356,8 @@ def projections(d: Draft) -> None:
     if d.projections:
         d.steps, d.step_nodes, n = W.fuse_projections(d.steps, d.step_nodes, d.projections, d.base)
         d.info["fused_projections"] = n
+    if d.weight_slots:  # the products' weights left alone (not fused): into huge pages too
+        W.place_weights(d.base, d.weight_slots)
     if d.block_products:
         found = {i: d.block_products[id(nd)] for i, nd in enumerate(d.step_nodes) if id(nd) in d.block_products}
         d.steps, d.step_nodes, n = B.fuse_block_projections(d.steps, d.step_nodes, found)

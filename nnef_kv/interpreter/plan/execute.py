@@ -9,7 +9,7 @@ import numpy as np
 from ...errors import GraphError, InputError, NnefKvError, NnefSyntaxError, clip, describe, names
 from ..graph import Graph, InputSpec, Node, slots_of as _slots_of
 from ..values import Lazy
-from .parallel import SPLITTER
+from .parallel import SPLITTER, refresh
 from .steps import Step
 
 if TYPE_CHECKING:
@@ -53,6 +53,7 @@ def execute(plan: Plan, v: list, st: list, keep: frozenset[int] = frozenset(), t
     if taps:
         program = _tapped(plan, program, v, taps)
     i = 0
+    refresh()
     split = threads > 1 and not SPLITTER.active
     if split:
         SPLITTER.active = True

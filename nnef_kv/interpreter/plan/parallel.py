@@ -17,6 +17,14 @@ size): :func:`split_matmul` therefore computes every product large enough to spl
 halves on every path (two threads, one thread, paused), so a session's results are the same bits whatever
 its ``threads`` and the machine's load.
 
+**Few-row products** (a decode step: at most :data:`nnef_kv.kernels.gemv.MAX_ROWS` rows) by the transposed
+view of a C-contiguous float weight run on the numba kernel :func:`nnef_kv.kernels.gemv.rows_by_t` when
+numba is there (:func:`refresh`, once a run): each output one dot product along a row of the weight, at
+about twice the bandwidth of BLAS's gemv on this VM, and the same bits whatever rows of the weight a
+thread takes, so such a product needs no halves. One core streams a layer's weight about as fast as two
+(the hand-over costs the rest), so only weights of :data:`MIN_ROWS_SPLIT_BYTES` or more (an LM head) are
+split for them.
+
 **The thread policy** (issue 26): while a session runs, BLAS itself is held at one thread
 (:data:`BLAS`, through threadpoolctl) whatever the session's ``threads``, and the session's own
 threads are the only second thread: a product is split only when it is large enough
@@ -37,9 +45,12 @@ import os
 import queue
 import threading
 import time
-from typing import Any
+from typing import Any, Callable
 
 import numpy as np
+
+from ...kernels import gemv, numba_available
+from ...kernels.gemv import rows_by_t
 
 #: products whose weight is smaller than this (bytes) are not split: the hand-over would cost more
 MIN_SPLIT_BYTES = 256 * 1024
@@ -51,10 +62,10 @@ PAUSE = 64
 
 
 class _Job:
-    __slots__ = ("a", "b", "out", "state", "done", "error")
+    __slots__ = ("fn", "lo", "hi", "state", "done", "error")
 
-    def __init__(self, a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
-        self.a, self.b, self.out = a, b, out
+    def __init__(self, fn: Callable[[int, int], Any], lo: int, hi: int) -> None:
+        self.fn, self.lo, self.hi = fn, lo, hi  # fn(lo, hi) writes output columns lo:hi
         self.state = 0  # 0 posted, 1 taken by the helper, 2 taken back by the caller
         self.done = threading.Event()
         self.error: BaseException | None = None
@@ -90,13 +101,13 @@ class ColumnSplitter:
                     continue
                 job.state = 1
             try:
-                np.matmul(job.a, job.b, out=job.out)
+                job.fn(job.lo, job.hi)
             except BaseException as exc:  # noqa: BLE001 - handed to the caller
                 job.error = exc
             job.done.set()
 
     def matmul(self, a: np.ndarray, bt: np.ndarray) -> np.ndarray:
-        """``a [m, k] @ bt [k, n]`` (2-D, same float dtype), the second column half on the helper."""
+        """``a [m, k] @ bt [k, n]`` (2-D, same float dtype) by BLAS, the second column half on the helper."""
         n = bt.shape[1]
         h = (n // 2) // 16 * 16
         if h == 0 or h == n:
@@ -105,13 +116,38 @@ class ColumnSplitter:
             self._skip -= 1
             self.paused += 1
             return halves(a, bt)
+        out = np.empty((a.shape[0], n), dtype=np.result_type(a, bt))
+
+        def columns(lo: int, hi: int) -> None:
+            np.matmul(a, bt[:, lo:hi], out=out[:, lo:hi])
+        self._split(columns, h, n)
+        return out
+
+    def rows_by_t(self, a: np.ndarray, w: np.ndarray) -> np.ndarray:
+        """``a @ w.T`` on :func:`nnef_kv.kernels.gemv.rows_by_t` (``a`` few rows, ``w [n, k]`` C-contiguous),
+        the outputs from the middle on on the helper. Every output is the same dot product however the
+        outputs are split, so there are no halves to keep: a paused splitter runs it whole."""
+        n = w.shape[0]
+        out = np.empty((a.shape[0], n), dtype=a.dtype)
+        h = (n // 2) // 16 * 16
+        if self._skip or h == 0:
+            if self._skip:
+                self._skip -= 1
+                self.paused += 1
+            rows_by_t(a, w, out, 0, n)
+            return out
+        self._split(lambda lo, hi: rows_by_t(a, w, out, lo, hi), h, n)
+        return out
+
+    def _split(self, fn: Callable[[int, int], Any], h: int, n: int) -> None:
+        """``fn(0, h)`` here and ``fn(h, n)`` on the helper if it picks it up before this thread is done with
+        its own part, else here too; keeps the helper's lateness and pauses splitting when it is often late."""
         if self._thread is None:
             self._start()
-        out = np.empty((a.shape[0], n), dtype=np.result_type(a, bt))
-        job = _Job(a, bt[:, h:], out[:, h:])
+        job = _Job(fn, h, n)
         t0 = time.perf_counter()
         self._jobs.put(job)
-        np.matmul(a, bt[:, :h], out=out[:, :h])
+        fn(0, h)
         t1 = time.perf_counter()
         with self._lock:
             mine = job.state == 0
@@ -120,7 +156,7 @@ class ColumnSplitter:
         self.split += 1
         if mine:
             self.taken_back += 1
-            np.matmul(a, bt[:, h:], out=out[:, h:])
+            fn(h, n)
             late = True
         else:
             job.done.wait()
@@ -131,7 +167,6 @@ class ColumnSplitter:
         if self._late > 0.3:
             self._skip = PAUSE
             self._late = 0.15  # a few more late ones after the pause pause again
-        return out
 
     def close(self) -> None:
         """Stop the helper thread (a new one starts on the next split product)."""
@@ -166,15 +201,55 @@ def halves(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
 
 
 def split_matmul(a2d: np.ndarray, bt: np.ndarray) -> Any:
-    """``a2d @ bt``; a product large enough to split (:func:`split_worth`) is always computed as its two column
-    halves, across two threads when a session with ``threads > 1`` is running, else one after the other:
-    BLAS may round a whole product and its halves differently (another kernel for another width: up to
-    6e-5 on 1-2 rows x 576 x 1536 measured), and a result must not depend on the threads or the machine's
-    load. A plain ``np.matmul`` for the others."""
-    if a2d.ndim == 2 and bt.ndim == 2 and a2d.dtype == bt.dtype \
-            and split_worth(a2d.shape[0], bt.shape[0], bt.shape[1], bt.itemsize):
-        return SPLITTER.matmul(a2d, bt) if SPLITTER.active else halves(a2d, bt)
+    """``a2d @ bt``. A product of a few rows (a decode step) by the transposed view of a C-contiguous float32
+    or float64 weight runs on :func:`nnef_kv.kernels.gemv.rows_by_t` when numba is there (see
+    :func:`refresh`; about twice the bandwidth of BLAS's gemv here, and its outputs do not depend on how
+    they are split across the threads: split only from ``MIN_ROWS_SPLIT_BYTES``). Otherwise a product
+    large enough to split (:func:`split_worth`) is always computed as its two column halves, across two
+    threads when a session with ``threads > 1`` is running, else one after the other: BLAS may round a
+    whole product and its halves differently (another kernel for another width: up to 6e-5 on 1-2 rows x
+    576 x 1536 measured), and a result must not depend on the threads or the machine's load. A plain
+    ``np.matmul`` for the others."""
+    if a2d.ndim == 2 and bt.ndim == 2 and a2d.dtype == bt.dtype:
+        core = _FEW_ROWS[0]
+        if core is not None and a2d.shape[0] <= gemv.MAX_ROWS:
+            a = a2d if a2d.flags.c_contiguous else np.ascontiguousarray(a2d)
+            if gemv.usable(a, bt):
+                w = bt.T
+                if SPLITTER.active and w.nbytes >= MIN_ROWS_SPLIT_BYTES:
+                    return SPLITTER.rows_by_t(a, w)
+                out = np.empty((a.shape[0], w.shape[0]), dtype=a.dtype)
+                core(a, w, out, 0, w.shape[0])
+                return out
+        if split_worth(a2d.shape[0], bt.shape[0], bt.shape[1], bt.itemsize):
+            return SPLITTER.matmul(a2d, bt) if SPLITTER.active else halves(a2d, bt)
     return np.matmul(a2d, bt)
+
+
+#: a few-row product by a weight at least this large is split across the threads: on this VM one core
+#: streams a 1 x 576 x 1536 product's weight at about what two do (the hand-over eats the rest), an LM head's
+#: (1 x 576 x 49152, 113 MB) 10% faster on two (docs/benchmarks.md, "Where the code's thresholds come from")
+MIN_ROWS_SPLIT_BYTES = 16 << 20
+#: what :func:`split_matmul` runs few-row products on during a run (set by :func:`refresh`): the numba core, or
+#: None (BLAS)
+_FEW_ROWS: list = [None]
+
+
+def gemv_on() -> bool:
+    """The few-row products run on the numba kernel: numba is there (not ``NNEF_KV_NO_NUMBA=1``) and it
+    compiled. Without it they are BLAS's, in halves as above."""
+    return numba_available() and rows_by_t.broken is None
+
+
+def refresh() -> None:
+    """Called at the start of every run (:func:`~.execute.execute`): whether this run's few-row products take
+    the numba kernel (the environment read once a run, not once a product). Its first call goes through the
+    kernel's wrapper (compiled or loaded from numba's cache, a compile failure falls back); later calls
+    go to the compiled core directly."""
+    if not gemv_on():
+        _FEW_ROWS[0] = None
+    elif _FEW_ROWS[0] is None or _FEW_ROWS[0] is rows_by_t:
+        _FEW_ROWS[0] = gemv.compiled_core() if rows_by_t._called and rows_by_t.broken is None else rows_by_t
 
 
 def usable_cpus() -> int:
@@ -325,7 +400,8 @@ def run_threads(threads: int, auto: bool) -> int:
     return threads
 
 
-__all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "split_worth", "halves", "MIN_SPLIT_BYTES", "MIN_SPLIT_WORK",
+__all__ = ["ColumnSplitter", "SPLITTER", "split_matmul", "gemv_on", "refresh", "MIN_ROWS_SPLIT_BYTES", "split_worth",
+           "halves", "MIN_SPLIT_BYTES", "MIN_SPLIT_WORK",
            "BLAS", "BlasThreads", "default_threads", "check_threads", "usable_cpus",
            "THREADS_ENV", "LOAD", "LoadWatch", "run_threads"]
 

@@ -1,15 +1,25 @@
 """Weights pass: ``linear(x, W)`` and ``matmul(x, W, transposeB = true)`` with a constant ``W`` run as
-``x @ Wt`` where ``Wt`` is the transposed *view* of the archive's own ``[out, in]`` array (BLAS is told
-the transposition: no copy, so a memory-mapped weight stays one array, read from the file when first
-used, and a tied embedding read by a gather and the LM head is one array); products of one input by
-several constant weights (q/k/v, gate/up) become one product by the weights side by side (one new
-``[in, out]`` array; the pages of memory-mapped originals are then released, see
-:func:`nnef_kv.tensors.pages.release_pages`).
+``x @ Wt`` where ``Wt`` is the transposed view of a C-contiguous ``[out, in]`` array, the layout torch and
+tract store a ``Linear`` weight in: a few-row product (a decode step) runs on the numba kernel reading
+rows of ``W`` (:mod:`nnef_kv.kernels.gemv`), a prefill on BLAS told the transposition (no copy). Products
+of one input by several constant weights (q/k/v, gate/up) become one product by the weights stacked
+(one new ``[sum of outs, in]`` array).
 
-Measured (``python benchmarks/scale.py --rows products``, BLAS on one thread, best of N, 2-core VM at load
-average ~11): view / copy 1.02 (1 x 576 x 1536), 1.01 (1 x 1536 x 576), 1.17 (1 x 576 x 49152; 0.84-0.90
-in other runs), 1.42 (8 rows), 1.25 (64 rows), 1.00 and 1.01 (512 rows): a decode step has one row and a
-prefill hundreds; a few-row product is the slower case."""
+Every product's weight of at least :data:`MIN_HUGE_BYTES` is then held in huge pages
+(:mod:`nnef_kv.tensors.hugepages`): stacked weights are made there, the others copied there by
+:func:`place_weights`, and the pages of a memory-mapped original are given back
+(:func:`nnef_kv.tensors.pages.release_pages`), so the plan still holds one copy of each weight, and the
+loaded model reads no tensor byte until a session is planned. A decode step streams every weight once:
+in huge pages it does so without the page-table walks of 4 KiB pages (``python benchmarks/scale.py
+--rows decode``; docs/benchmarks.md, "At real size"). ``NNEF_KV_HUGE_PAGES=0`` keeps the archive's own
+mapped arrays instead (no copy, nothing read at planning). The copies are shared by the plans of the
+same loaded arrays (a converted archive's session and its reference's in ``validate``, see
+:func:`_stacked`). A tied embedding stays one array in the archive; its LM head's copy is the one held,
+the gather reading a few rows of the mapping a step.
+
+Measured (``python benchmarks/scale.py --rows products``, one thread, GB/s of weight read): BLAS on the
+transposed view 13.5-17.3 at one row, 5.3-5.6 at 2-4 rows; the numba kernel 20.8-30.8 and 16.2-21.7; at
+64 and 512 rows BLAS on the view and on a contiguous ``[in, out]`` copy are within 15%."""
 from __future__ import annotations
 
 import weakref
@@ -17,12 +27,13 @@ from typing import Any, Callable
 
 import numpy as np
 
+from ...tensors import hugepages
 from ...tensors.pages import release_pages
 from ..graph import Node
 from .parallel import split_matmul
 from .steps import Step, has_lazy as _has_lazy, replace_steps
 
-__all__ = ["rewrite_weights", "fuse_projections"]
+__all__ = ["rewrite_weights", "fuse_projections", "place_weights", "MIN_HUGE_BYTES"]
 
 
 def _matmul_pretransposed(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
@@ -56,7 +67,9 @@ def _prepare_weight(w: np.ndarray) -> np.ndarray:
     while w.ndim > 2 and w.shape[0] == 1:
         w = w[0]
     wt = np.swapaxes(w, -1, -2)
-    return wt if wt.ndim == 2 and wt.flags.f_contiguous else np.ascontiguousarray(wt)
+    if wt.ndim == 2:  # the view of a C-contiguous [out, in]: what the few-row kernel reads (see .parallel)
+        return wt if wt.flags.f_contiguous else np.ascontiguousarray(w).T
+    return np.ascontiguousarray(wt)
 
 
 def rewrite_weights(node: Node, base: list[Any], consts: set[int]) -> tuple[Callable, list[Any], dict] | None:
@@ -89,37 +102,63 @@ def _root(a: np.ndarray) -> np.ndarray:
     return a
 
 
-#: fused weights by what they were made of: (id of each part's root array, where in it, shape, strides,
-#: dtype) -> (weak references to those roots, a weak reference to the fused array)
-_FUSED: dict[tuple, tuple[tuple[weakref.ref, ...], weakref.ref]] = {}
+#: weights copied for the plans (stacked or alone) by what they were made of: (id of each part's root array,
+#: where in it, shape, strides, dtype) -> (weak references to those roots, a weak reference to the copy)
+_COPIES: dict[tuple, tuple[tuple[weakref.ref, ...], weakref.ref]] = {}
+#: a weight smaller than this stays where it is (the archive's mapping, or its own array): the copy would cost
+#: more than its share of a step
+MIN_HUGE_BYTES = 256 * 1024
 
 
-def _fused(members: list[tuple[int, int, np.ndarray, int, int]]) -> np.ndarray:
-    """The weights of ``members`` side by side (``[in, sum of outs]``, contiguous). Parts that are views of
-    read-only arrays (a loaded archive's) give the array made for the same parts by another plan while
-    that one is alive: the sessions of an archive and of its reference hold one fused array, not one
-    each (``validate`` gives both the same arrays), and so do compare's worker processes, forked from the
-    process that planned the reference (:mod:`nnef_kv.validate.jobs`)."""
-    parts = [m[2] for m in members]
+def _stacked(parts: list[np.ndarray]) -> np.ndarray:
+    """The weights ``parts`` (each ``[in, out_i]``, the transposed view of an ``[out_i, in]`` array) side by
+    side: ``[in, sum of outs]``, the transposed view of one C-contiguous ``[sum of outs, in]`` array, in
+    huge pages (:mod:`nnef_kv.tensors.hugepages`, unless turned off). Parts that are views of read-only
+    arrays (a loaded archive's) give the array made for the same parts by another plan while that one is
+    alive: the sessions of an archive and of its reference hold one copy, not one each (``validate`` gives
+    both the same arrays), and so do compare's worker processes, forked from the process that planned the
+    reference (:mod:`nnef_kv.validate.jobs`). The pages of memory-mapped parts are given back: read again
+    from the file if anything else uses them (a tied embedding's gather reads a few rows a step)."""
     roots = [_root(p) for p in parts]
     key = None
     if all(not r.flags.writeable for r in roots):
         key = tuple((id(r), p.__array_interface__["data"][0] - r.__array_interface__["data"][0], p.shape,
                      p.strides, p.dtype.str) for p, r in zip(parts, roots))
-        got = _FUSED.get(key)
+        got = _COPIES.get(key)
         if got is not None and all(ref() is r for ref, r in zip(got[0], roots)):
             wt = got[1]()
             if wt is not None:
                 return wt
-    wt = np.ascontiguousarray(np.concatenate(parts, axis=1))
-    for p in parts:  # a memory-mapped original is read again from its file if anything else uses it
+    rows = sum(p.shape[1] for p in parts)
+    dtype = np.result_type(*parts)
+    w = hugepages.empty((rows, parts[0].shape[0]), dtype) if hugepages.enabled() else \
+        np.empty((rows, parts[0].shape[0]), dtype)
+    np.concatenate([p.T for p in parts], axis=0, out=w)
+    wt = w.T
+    for p in parts:
         release_pages(p)
     if key is not None:
-        for k in [k for k, (refs, w) in _FUSED.items() if w() is None or any(x() is None for x in refs)]:
-            del _FUSED[k]
+        for k in [k for k, (refs, x) in _COPIES.items() if x() is None or any(r() is None for r in refs)]:
+            del _COPIES[k]
         wt.flags.writeable = False
-        _FUSED[key] = (tuple(weakref.ref(r) for r in roots), weakref.ref(wt))
+        _COPIES[key] = (tuple(weakref.ref(r) for r in roots), weakref.ref(wt))
     return wt
+
+
+def place_weights(base: list[Any], slots: list[int]) -> int:
+    """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) that are large
+    enough, copied into huge pages (shared with other plans of the same arrays, see :func:`_stacked`):
+    a decode step streams them at a higher rate there (:mod:`nnef_kv.tensors.hugepages`). Returns the
+    bytes placed. Nothing when ``NNEF_KV_HUGE_PAGES=0``."""
+    if not hugepages.enabled():
+        return 0
+    placed = 0
+    for s in slots:
+        wt = base[s]
+        if isinstance(wt, np.ndarray) and wt.ndim == 2 and wt.nbytes >= MIN_HUGE_BYTES and wt.dtype.kind == "f":
+            base[s] = _stacked([wt])
+            placed += wt.nbytes
+    return placed
 
 
 def fuse_projections(steps: list[Step], step_nodes: list[Node],
@@ -140,7 +179,7 @@ def fuse_projections(steps: list[Step], step_nodes: list[Node],
         members = [m for m in members if m[2].shape[0] == w0.shape[0] and m[2].dtype == w0.dtype]
         if len(members) < 2:
             continue
-        wt = _fused(members)
+        wt = _stacked([m[2] for m in members])
         parts: list[tuple[int, int, int]] = []
         at = 0
         for m in members:

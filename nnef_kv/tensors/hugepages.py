@@ -1,0 +1,89 @@
+"""Memory for the weights a plan reads at every step: anonymous, 2 MiB-aligned, in transparent huge pages.
+
+A decode step reads every weight once, so it runs at the speed the core streams memory, and with the
+4 KiB pages of a file mapping (or of ``malloc``'s blocks) the core also walks the page tables every 4 KiB.
+``python benchmarks/scale.py --rows products`` / ``--rows decode`` measure it (docs/benchmarks.md, "At real
+size"): the SmolLM2-135M-shaped f32 decoder decodes in 26.2 ms a token with its weights in huge pages and
+32.7 ms with the same weights read from the archive's mapping (tract 25.4 / 24.8 ms in the same runs).
+
+:func:`empty` hands out arrays from chunks of :data:`CHUNK` bytes (or one chunk the size of a larger
+array), each an anonymous private mapping aligned on :data:`HUGE` and advised ``MADV_HUGEPAGE``: on Linux
+with transparent huge pages in ``madvise`` or ``always`` mode the kernel backs them with 2 MiB pages as
+they are first written. A chunk lives as long as an array in it does (the arrays hold the mapping); pages
+of a chunk nobody wrote are never resident. After a ``fork`` (compare's workers) the chunks are shared by
+the processes until one writes (nothing writes weights).
+
+``NNEF_KV_HUGE_PAGES=0`` in the environment turns it off (:func:`enabled`): plans then read the archive's
+own memory-mapped arrays, holding no copy (a device that cannot afford the weights in anonymous memory).
+Where ``madvise`` or huge pages do not exist the arrays are still aligned anonymous memory.
+"""
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+import weakref
+
+import numpy as np
+
+__all__ = ["empty", "enabled", "ENV", "HUGE", "CHUNK", "ALIGN"]
+
+#: the environment variable that turns the copies off ("0")
+ENV = "NNEF_KV_HUGE_PAGES"
+#: a huge page (x86-64, arm64 with 4 KiB base pages)
+HUGE = 2 << 20
+#: bytes a chunk maps (an array larger than this gets a chunk of its own size, rounded up to HUGE)
+CHUNK = 64 << 20
+#: every array starts on this many bytes (a cache line, an AVX-512 vector)
+ALIGN = 64
+
+_lock = threading.Lock()
+#: the chunk small arrays are cut from: a weak reference to its mapping (alive while an array in it is), the
+#: offset of its aligned start, its size, the bytes used
+_current: list = [None, 0, 0, 0]
+
+
+def enabled() -> bool:
+    """Whether plans copy the weights they stream into huge pages (``NNEF_KV_HUGE_PAGES`` is not ``0``)."""
+    return os.environ.get(ENV, "").strip() != "0"
+
+
+def _chunk(size: int) -> tuple[mmap.mmap, int]:
+    """A new mapping holding ``size`` bytes (a multiple of HUGE) from a HUGE-aligned offset, advised
+    MADV_HUGEPAGE there; returns it and that offset."""
+    flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+    # private: a shared anonymous mapping is shmem, whose huge pages are a separate setting (usually off)
+    mm = mmap.mmap(-1, size + HUGE, flags=flags) if flags else mmap.mmap(-1, size + HUGE)
+    start = (-int(np.frombuffer(mm, np.uint8, count=1).ctypes.data)) % HUGE
+    advise = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advise is not None and hasattr(mm, "madvise"):
+        try:
+            mm.madvise(advise, start, size)
+        except OSError:  # a kernel without transparent huge pages: aligned anonymous memory all the same
+            pass
+    return mm, start
+
+
+def _view(mm: mmap.mmap, at: int, shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    count = int(np.prod(shape, dtype=np.int64))
+    return np.frombuffer(mm, dtype, count=count, offset=at).reshape(shape)
+
+
+def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
+    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` in huge-page memory (see the module)."""
+    dtype = np.dtype(dtype)
+    shape = tuple(int(d) for d in shape)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
+    with _lock:
+        mm = _current[0]() if _current[0] is not None else None
+        start, size, used = _current[1], _current[2], _current[3]
+        if mm is None or used + need > size:
+            if need > CHUNK // 2:  # a large array: a chunk of its own, the current one kept for the small
+                own, at = _chunk(-(-need // HUGE) * HUGE)
+                return _view(own, at, shape, dtype)
+            mm, start = _chunk(CHUNK)
+            size, used = CHUNK, 0
+            _current[0], _current[1], _current[2] = weakref.ref(mm), start, size
+        _current[3] = used + need
+    return _view(mm, start + used, shape, dtype)
