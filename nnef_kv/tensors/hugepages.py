@@ -87,3 +87,13 @@ def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
             _current[0], _current[1], _current[2] = weakref.ref(mm), start, size
         _current[3] = used + need
     return _view(mm, start + used, shape, dtype)
+
+
+def _after_fork_in_child() -> None:
+    """A forked child (compare's workers) gets a fresh lock: the parent's may have been held by another thread."""
+    global _lock
+    _lock = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
