@@ -68,28 +68,6 @@ def _repeats(kv: np.ndarray, tile: Node, reshapes: list[Node], v: list) -> int |
     return g if dims == [b, h * g, t, d] else None
 
 
-class _RepeatMemo:
-    """:func:`_repeats` of the key and the value chains, resolved once per pair of shapes and per set of objects
-    their run-time attributes read (as :class:`_ViewPlan`): a decode step asks it 30 times a token."""
-
-    def __init__(self, krep: tuple, vrep: tuple) -> None:
-        self.krep, self.vrep = krep, vrep
-        self.reads = tuple(s for n in [krep[2], *krep[3], vrep[2], *vrep[3]] for s in lazy_reads(n))
-        self.entry: tuple | None = None
-
-    def g(self, kv: np.ndarray, vv: np.ndarray, v: list) -> int | None:
-        objs = tuple(v[s] for s in self.reads)
-        e = self.entry
-        if e is not None and e[0] == kv.shape and e[1] == vv.shape and len(objs) == len(e[2]) \
-                and all(a is b for a, b in zip(objs, e[2])):
-            return e[3]
-        g = _repeats(kv, self.krep[2], self.krep[3], v)
-        if g is not None and _repeats(vv, self.vrep[2], self.vrep[3], v) != g:
-            g = None
-        self.entry = (kv.shape, vv.shape, objs, g)
-        return g
-
-
 def _rows_contiguous(x: np.ndarray) -> np.ndarray:
     """``x`` when each of its ``[T, D]`` matrices has contiguous rows (what a product by the tiled copy
     sees: BLAS may sum in another order for other strides), else a C-contiguous copy (of the kv heads,
@@ -211,10 +189,8 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     members = sorted(w_.members | {k})
     inputs = [q_slot, kk, vv] + ([mask] if mask is not None else [])
 
-    memo = _RepeatMemo(krep, vrep) if krep is not None else None
-
     def fast(v: list, q_=q_slot, k_=kk, v_=vv, mask=mask, mpos=mpos, scale=scale, spos=spos, ax=ax,
-             krep=krep, vrep=vrep, memo=memo) -> Any:
+             krep=krep, vrep=vrep) -> Any:
         q, kv, vv_ = v[q_], v[k_], v[v_]
         if krep is not None and krep[1]:  # the chains read the unsqueezed [B, Hkv, 1, T, D] values
             if not (type(kv) is np.ndarray and kv.ndim == 5 and kv.shape[2] == 1 and type(vv_) is np.ndarray
@@ -229,9 +205,9 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
             return NotImplemented
         b, hq, sq, d = q.shape
         b2, hkv, t, d2 = kv.shape
-        if memo is not None:
-            g = memo.g(kv, vv_, v)
-            if g is None:
+        if krep is not None:
+            g = _repeats(kv, krep[2], krep[3], v)
+            if g is None or _repeats(vv_, vrep[2], vrep[3], v) != g:
                 return NotImplemented
         else:
             g = 1
