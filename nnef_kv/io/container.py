@@ -27,10 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Iterable, Iterator, Sequence
 
+import numpy as np
+
 from ..atomic import atomic_dir, atomic_write, default_mode  # noqa: F401 (default_mode: re-exported)
 from ..errors import ArchiveError, LimitError, OutputError
 from ..limits import Limits, current_limits
 from ..targets import check_file, check_folder, kind_of, resolve
+from ..tensors import hugepages
 from ..tensors.pages import release_buffer
 from ..tensors.dat import HEADER_SIZE
 
@@ -309,6 +312,11 @@ class _CountingReader(io.RawIOBase):
         return n or 0
 
 
+#: a .tgz member at least this large is inflated into huge-page memory (nnef_kv/tensors/hugepages.py), where
+#: a plan reads the weights in it without copying them
+HUGE_MEMBER_BYTES = 1 << 20
+
+
 def _read_tgz(path: Path, limits: Limits) -> list[Member]:
     where = str(path)
     budget = _Budget(limits, where)
@@ -333,7 +341,9 @@ def _read_tgz(path: Path, limits: Limits) -> list[Member]:
             assert fobj is not None
             # inflated straight into one buffer of the member's size, 1 MiB at a time (``read()``, and tarfile's
             # stream for any large read, join their chunks: the largest member held two or three times)
-            buf = bytearray(ti.size)
+            # a large member (a weight) into huge pages: the plan streams it from there without a copy
+            buf = hugepages.empty((ti.size,), np.uint8) if ti.size >= HUGE_MEMBER_BYTES and hugepages.enabled() \
+                else bytearray(ti.size)
             view = memoryview(buf)
             got = 0
             try:

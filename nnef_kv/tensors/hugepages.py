@@ -26,7 +26,7 @@ import weakref
 
 import numpy as np
 
-__all__ = ["empty", "enabled", "ENV", "HUGE", "CHUNK", "ALIGN"]
+__all__ = ["empty", "enabled", "holds", "ENV", "HUGE", "CHUNK", "ALIGN"]
 
 #: the environment variable that turns the copies off ("0")
 ENV = "NNEF_KV_HUGE_PAGES"
@@ -41,6 +41,18 @@ _lock = threading.Lock()
 #: the chunk small arrays are cut from: a weak reference to its mapping (alive while an array in it is), the
 #: offset of its aligned start, its size, the bytes used
 _current: list = [None, 0, 0, 0]
+
+
+#: the mappings this module made (an array in one of them is in huge-page memory already)
+_ours: "weakref.WeakSet[mmap.mmap]" = weakref.WeakSet()
+
+
+def holds(array: object) -> bool:
+    """Whether ``array`` (an array, a memoryview) lies in memory this module handed out."""
+    from .pages import _mapping_of
+
+    mm = _mapping_of(array if isinstance(array, memoryview) else getattr(array, "base", None))
+    return mm is not None and mm in _ours
 
 
 def enabled() -> bool:
@@ -61,6 +73,7 @@ def _chunk(size: int) -> tuple[mmap.mmap, int]:
             mm.madvise(advise, start, size)
         except OSError:  # a kernel without transparent huge pages: aligned anonymous memory all the same
             pass
+    _ours.add(mm)
     return mm, start
 
 

@@ -127,3 +127,23 @@ def test_huge_pages_off_keeps_the_archive_s_arrays(monkeypatch, tmp_path) -> Non
     s = Session(model, threads=1)
     a = {w.shape[1]: w for w in _planned_weights(s)}[1024]
     assert _mapping_of(a.base) is _mapping_of(model.tensors["a"].base)  # the transposed view, no copy
+
+
+def test_an_in_memory_model_s_weights_are_not_copied(monkeypatch) -> None:
+    # a model built in Python (or imported from a GGUF) holds its arrays itself: a copy would hold them twice
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    model = _model()
+    a = {w.shape[1]: w for w in _planned_weights(Session(model, threads=1))}[1024]
+    assert a.base is model.tensors["a"] or a.T is model.tensors["a"] or np.shares_memory(a, model.tensors["a"])
+
+
+def test_a_tgz_member_is_inflated_into_huge_pages_and_planned_in_place(monkeypatch, tmp_path) -> None:
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    path = nnef_kv.save(_model(), tmp_path / "m.tgz")
+    model = nnef_kv.load(path)
+    assert hugepages.holds(model.tensors["a"]) and not model.tensors["a"].flags.writeable
+    assert not hugepages.holds(model.tensors["b"])  # 16 KiB: an ordinary buffer
+    a = {w.shape[1]: w for w in _planned_weights(Session(model, threads=1))}[1024]
+    assert np.shares_memory(a, model.tensors["a"])  # no copy
+    monkeypatch.setenv(hugepages.ENV, "0")
+    assert not hugepages.holds(nnef_kv.load(path).tensors["a"])

@@ -28,7 +28,7 @@ from typing import Any, Callable
 import numpy as np
 
 from ...tensors import hugepages
-from ...tensors.pages import release_pages
+from ...tensors.pages import _mapping_of, release_pages
 from ..graph import Node
 from .parallel import split_matmul
 from .steps import Step, has_lazy as _has_lazy, replace_steps
@@ -146,18 +146,25 @@ def _stacked(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def place_weights(base: list[Any], slots: list[int]) -> int:
-    """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) that are large
-    enough, copied into huge pages (shared with other plans of the same arrays, see :func:`_stacked`):
-    a decode step streams them at a higher rate there (:mod:`nnef_kv.tensors.hugepages`). Returns the
-    bytes placed. Nothing when ``NNEF_KV_HUGE_PAGES=0``."""
+    """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) of at least
+    :data:`MIN_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a decode step streams them at a
+    higher rate there. A weight memory-mapped read-only from a model file is copied (shared with other
+    plans of the same arrays, see :func:`_stacked`) and its file pages are given back; one already in
+    huge pages (a ``.tgz`` member is inflated into them) stays; one in the process's own memory (a model
+    built or imported in Python) stays too: a copy would hold it twice. Returns the bytes copied.
+    Nothing when ``NNEF_KV_HUGE_PAGES=0``."""
     if not hugepages.enabled():
         return 0
     placed = 0
     for s in slots:
         wt = base[s]
-        if isinstance(wt, np.ndarray) and wt.ndim == 2 and wt.nbytes >= MIN_HUGE_BYTES and wt.dtype.kind == "f":
-            base[s] = _stacked([wt])
-            placed += wt.nbytes
+        if not (isinstance(wt, np.ndarray) and wt.ndim == 2 and wt.nbytes >= MIN_HUGE_BYTES and wt.dtype.kind == "f"):
+            continue
+        root = _root(wt)
+        if root.flags.writeable or hugepages.holds(root) or _mapping_of(root.base) is None:
+            continue
+        base[s] = _stacked([wt])
+        placed += wt.nbytes
     return placed
 
 
