@@ -19,7 +19,8 @@ printed with the ``uptime`` load average: other processes share this machine.
   zlib's levels timed on ``--gzip-mib`` MiB of the archive (the rate is per MiB: at 7 MiB/s a whole
   archive takes minutes).
 * ``--rows products``: GB/s of ``x @ W.T`` on BLAS (the transposed view, a contiguous ``[in, out]``
-  copy) and on the numba few-row kernel, one thread, the weights read from memory.
+  copy) and on the numba few-row kernel (NumPy arrays, huge pages, huge pages on two threads), the
+  weights read from memory.
 * ``--rows tools``: ``inspect``, ``convert`` to KIVI-4, ``validate`` of it against the archive and
   ``compare --jobs 2`` / ``--jobs 1``, each command's processes sampled every 50 ms: the peak of their summed
   PSS (shared pages counted once in all) and of the largest process's RSS (``tools/pss_peak.py``).
@@ -276,15 +277,20 @@ def write_rows(model: Any, folder: Path, tmp: Path, gzip_mib: int, convert: bool
 
 # ------------------------------------------------------------------------------------------------ products
 def product_rows() -> None:
-    """GB/s of weight read by ``x @ W.T`` for the weights' ``[out, in]`` layout, one thread, the weights cycled
-    through about 600 MB so that every call reads them from memory (as a decode step does): BLAS on the
-    transposed view (what the plan gives BLAS), BLAS on a contiguous ``[in, out]`` copy, and the numba
-    few-row kernel (``nnef_kv.kernels.gemv.rows_by_t``, up to its ``MAX_ROWS``)."""
+    """GB/s of weight read by ``x @ W.T`` for the weights' ``[out, in]`` layout, the weights cycled through
+    about 600 MB so that every call reads them from memory (as a decode step does), one thread: BLAS on
+    the transposed view (what the plan gives BLAS), BLAS on a contiguous ``[in, out]`` copy, the numba
+    few-row kernel (``nnef_kv.kernels.gemv.rows_by_t``, up to its ``MAX_ROWS``) on NumPy arrays and on the
+    same weights in huge pages (``nnef_kv.tensors.hugepages``, as a plan holds them); then that last one
+    split across two threads (the session's ``ColumnSplitter``)."""
     from threadpoolctl import threadpool_limits
 
+    from nnef_kv.interpreter.plan.parallel import ColumnSplitter
     from nnef_kv.kernels import gemv
+    from nnef_kv.tensors import hugepages
 
     rng = np.random.default_rng(0)
+    splitter = ColumnSplitter()
 
     def best(f: Any, ws: list, reps: int = 3) -> float:
         f(ws[0])
@@ -296,10 +302,14 @@ def product_rows() -> None:
             t_best = min(t_best, time.perf_counter() - t)
         return sum(w.nbytes for w in ws) / t_best / 1e9
 
-    print(f"\n## products by a [out, in] weight, one thread, GB/s of weight read, weights cycled through ~600 MB "
-          f"({uptime()})")
-    print("| rows x in x out | BLAS on W.T (view) | BLAS on a [in, out] copy | rows_by_t (numba) | numba / BLAS view |")
-    print("|---|---|---|---|---|")
+    def split(a: np.ndarray, w: np.ndarray) -> None:
+        splitter._skip = 0  # measure the split itself, not the back-off
+        splitter.rows_by_t(a, w)
+
+    print(f"\n## products by a [out, in] weight, GB/s of weight read, weights cycled through ~600 MB ({uptime()})")
+    print("| rows x in x out | BLAS on W.T (view) | BLAS on a [in, out] copy | numba | numba, huge pages | "
+          "huge pages / BLAS view | huge pages, two threads |")
+    print("|---|---|---|---|---|---|---|")
     with threadpool_limits(1, "blas"):
         for m, k, n in [(1, 576, 1536), (1, 1536, 576), (1, 576, 1728), (1, 576, 49152), (2, 576, 1536),
                         (4, 576, 1536), (8, 576, 1536), (64, 576, 1536), (512, 576, 1536)]:
@@ -313,10 +323,19 @@ def product_rows() -> None:
             del copies
             if m <= gemv.MAX_ROWS:
                 nb = best(lambda w: gemv.rows_by_t(a, w, out, 0, n), ws)
-                cells = f"{nb:.1f} | {nb / view:.2f}x"
+                huge = []
+                for w in ws:
+                    h = hugepages.empty(w.shape, w.dtype)
+                    h[...] = w
+                    huge.append(h)
+                nbh = best(lambda w: gemv.rows_by_t(a, w, out, 0, n), huge)
+                two = best(lambda w: split(a, w), huge) if m == 1 else float("nan")
+                del huge
+                cells = f"{nb:.1f} | {nbh:.1f} | {nbh / view:.2f}x | {two:.1f}"
             else:
-                cells = "(BLAS above MAX_ROWS) | "
+                cells = "(BLAS above MAX_ROWS) | | | "
             print(f"| {m} x {k} x {n} | {view:.1f} | {copy:.1f} | {cells} |", flush=True)
+    splitter.close()
 
 
 # ------------------------------------------------------------------------------------------------ tools
