@@ -2,9 +2,12 @@
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from llvmlite import ir
+from numba import njit, types
+from numba.core import cgutils
+from numba.extending import intrinsic
 
-from ._numba_common import JIT, h2f, wide_vectors
+from ._numba_common import JIT, h2f, wide_vectors, widen
 from . import blockquant as _bq
 from .blockquant import PackedWeights, _check_x
 from .blockquant import matmul as _matmul_kernel
@@ -12,6 +15,34 @@ from .blockquant import matmul as _matmul_kernel
 __all__ = ["matmul", "matvec"]
 
 _F8 = np.float32(8.0)
+#: outputs a tile of the one-row Q4_0 core (benchmarks/kernels.py --only q4row: 1024 was faster than 512 and
+#: 2048 on the SmolLM2-135M shapes, weights from memory)
+ROW_TILE = 1024
+
+
+@intrinsic
+def _prefetch_l2(typingctx, arr, i, j):
+    """Hint that ``arr[i, j]`` (a 2-D array) will be read soon: LLVM's ``llvm.prefetch`` (read, locality 2:
+    ``prefetcht1`` on x86, into L2; a no-op where the target has no prefetch). No bounds check: the
+    callers pass indices inside the array."""
+    if not (isinstance(arr, types.Array) and arr.ndim == 2):
+        return None
+
+    def codegen(context, builder, sig, args):
+        aryty = sig.args[0]
+        ary = context.make_array(aryty)(context, builder, args[0])
+        inds = [context.cast(builder, args[1], sig.args[1], types.intp),
+                context.cast(builder, args[2], sig.args[2], types.intp)]
+        ptr = cgutils.get_item_pointer2(context, builder, data=ary.data, shape=cgutils.unpack_tuple(builder, ary.shape),
+                                        strides=cgutils.unpack_tuple(builder, ary.strides), layout=aryty.layout,
+                                        inds=inds, wraparound=False, boundscheck=False)
+        i8p = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch.p0")
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
+        return context.get_dummy_value()
+    return types.none(arr, i, j), codegen
 
 
 @njit(**JIT)
@@ -24,7 +55,8 @@ def _tile(n: int, m: int) -> int:
 
 @njit(**JIT)
 def _q4_rows(codes, sbits, x, y):
-    """y[m, :] = x[m, :] @ W.T for Q4_0 codes [K/2, N] (uint8), f16 scale bits [K/32, N] (uint16)."""
+    """y[m, :] = x[m, :] @ W.T for Q4_0 codes [K/2, N] (uint8), f16 scale bits [K/32, N] (uint16); a few rows
+    (one row takes :func:`_q4_row`)."""
     wide_vectors()
     k2, n = codes.shape
     m_rows = x.shape[0]
@@ -41,47 +73,18 @@ def _q4_rows(codes, sbits, x, y):
         acc[:, :w] = 0.0
         for b in range(nb):
             tmp[:, :w] = 0.0
-            if m_rows == 1:  # four byte rows (eight inputs) a pass
-                t0 = tmp[0]
-                for r in range(b * 16, b * 16 + 16, 4):
-                    s0 = codes[r, n0:n1]
-                    s1 = codes[r + 1, n0:n1]
-                    s2 = codes[r + 2, n0:n1]
-                    s3 = codes[r + 3, n0:n1]
-                    xa = x[0, 2 * r]
-                    xb = x[0, 2 * r + 1]
-                    xc = x[0, 2 * r + 2]
-                    xd = x[0, 2 * r + 3]
-                    xe = x[0, 2 * r + 4]
-                    xf = x[0, 2 * r + 5]
-                    xg = x[0, 2 * r + 6]
-                    xh = x[0, 2 * r + 7]
+            for r in range(b * 16, b * 16 + 16):
+                s0 = codes[r, n0:n1]
+                for j in range(w):  # decode once, use for every row
+                    c = np.uint32(s0[j])
+                    lo[j] = np.float32(np.int32(c & np.uint32(15))) - _F8
+                    hi[j] = np.float32(np.int32(c >> np.uint32(4))) - _F8
+                for m in range(m_rows):
+                    xa = x[m, 2 * r]
+                    xb = x[m, 2 * r + 1]
+                    tm = tmp[m]
                     for j in range(w):
-                        c = np.uint32(s0[j])
-                        e = np.uint32(s1[j])
-                        f = np.uint32(s2[j])
-                        g = np.uint32(s3[j])
-                        t0[j] += (((xa * (np.float32(np.int32(c & np.uint32(15))) - _F8)
-                                    + xb * (np.float32(np.int32(c >> np.uint32(4))) - _F8))
-                                   + (xc * (np.float32(np.int32(e & np.uint32(15))) - _F8)
-                                      + xd * (np.float32(np.int32(e >> np.uint32(4))) - _F8)))
-                                  + ((xe * (np.float32(np.int32(f & np.uint32(15))) - _F8)
-                                      + xf * (np.float32(np.int32(f >> np.uint32(4))) - _F8))
-                                     + (xg * (np.float32(np.int32(g & np.uint32(15))) - _F8)
-                                        + xh * (np.float32(np.int32(g >> np.uint32(4))) - _F8))))
-            else:
-                for r in range(b * 16, b * 16 + 16):
-                    s0 = codes[r, n0:n1]
-                    for j in range(w):  # decode once, use for every row
-                        c = np.uint32(s0[j])
-                        lo[j] = np.float32(np.int32(c & np.uint32(15))) - _F8
-                        hi[j] = np.float32(np.int32(c >> np.uint32(4))) - _F8
-                    for m in range(m_rows):
-                        xa = x[m, 2 * r]
-                        xb = x[m, 2 * r + 1]
-                        tm = tmp[m]
-                        for j in range(w):
-                            tm[j] += xa * lo[j] + xb * hi[j]
+                        tm[j] += xa * lo[j] + xb * hi[j]
             s = sbits[b, n0:n1]
             for j in range(w):
                 sc[j] = h2f(s[j])
@@ -91,6 +94,118 @@ def _q4_rows(codes, sbits, x, y):
                 for j in range(w):
                     am[j] += sc[j] * tm[j]
         y[:, n0:n1] = acc[:, :w]
+
+
+@njit(**JIT)
+def _q4_row(codes, sbits, x, y):
+    """y = x @ W.T for ONE row ``x`` [K] (f32) -> ``y`` [N], Q4_0 codes [K/2, N] (uint8), f16 scale bits
+    [K/32, N] (uint16): the decode-step path.
+
+    For a tile of ROW_TILE outputs and a block of 32 inputs (16 byte rows), one pass over the outputs: the
+    32 products ``x[k] * (q - 8)`` (``q - 8`` exact in f32: the products are the reference's bit for bit)
+    summed as a tree in registers (no ``tmp`` array stored and reloaded every four byte rows), times the
+    block's scale (F16C where the host has it), added to ``acc``: only the summation order differs from the
+    dequantized product. Before a block, the next block's codes and scales (the next tile's first block
+    after the last) are prefetched into L2: with 16 rows at stride N the hardware prefetcher alone left
+    the small products waiting on memory (benchmarks/kernels.py --only q4row)."""
+    wide_vectors()
+    k2, n = codes.shape
+    nb = k2 // 16
+    tw = min(n, ROW_TILE)
+    acc = np.empty(tw, np.float32)
+    for n0 in range(0, n, tw):
+        n1 = min(n, n0 + tw)
+        w = n1 - n0
+        acc[:w] = 0.0
+        for b in range(nb):
+            bp, f0, f1 = b + 1, n0, n1
+            if bp == nb:
+                bp, f0, f1 = 0, n1, min(n, n1 + tw)
+            if bp < nb and f0 < f1:
+                for rr in range(bp * 16, bp * 16 + 16):
+                    for jj in range(f0, f1, 64):
+                        _prefetch_l2(codes, rr, jj)
+                for jj in range(f0, f1, 32):
+                    _prefetch_l2(sbits, bp, jj)
+            r = b * 16
+            k = b * 32
+            s = sbits[b, n0:n1]
+            c0 = codes[r + 0, n0:n1]
+            c1 = codes[r + 1, n0:n1]
+            c2 = codes[r + 2, n0:n1]
+            c3 = codes[r + 3, n0:n1]
+            c4 = codes[r + 4, n0:n1]
+            c5 = codes[r + 5, n0:n1]
+            c6 = codes[r + 6, n0:n1]
+            c7 = codes[r + 7, n0:n1]
+            c8 = codes[r + 8, n0:n1]
+            c9 = codes[r + 9, n0:n1]
+            c10 = codes[r + 10, n0:n1]
+            c11 = codes[r + 11, n0:n1]
+            c12 = codes[r + 12, n0:n1]
+            c13 = codes[r + 13, n0:n1]
+            c14 = codes[r + 14, n0:n1]
+            c15 = codes[r + 15, n0:n1]
+            xa0, xb0, xa1, xb1, xa2, xb2, xa3, xb3 = (
+                x[k + 0], x[k + 1], x[k + 2], x[k + 3], x[k + 4], x[k + 5], x[k + 6], x[k + 7])
+            xa4, xb4, xa5, xb5, xa6, xb6, xa7, xb7 = (
+                x[k + 8], x[k + 9], x[k + 10], x[k + 11], x[k + 12], x[k + 13], x[k + 14], x[k + 15])
+            xa8, xb8, xa9, xb9, xa10, xb10, xa11, xb11 = (
+                x[k + 16], x[k + 17], x[k + 18], x[k + 19], x[k + 20], x[k + 21], x[k + 22], x[k + 23])
+            xa12, xb12, xa13, xb13, xa14, xb14, xa15, xb15 = (
+                x[k + 24], x[k + 25], x[k + 26], x[k + 27], x[k + 28], x[k + 29], x[k + 30], x[k + 31])
+            for j in range(w):
+                e0 = np.uint32(c0[j])
+                e1 = np.uint32(c1[j])
+                e2 = np.uint32(c2[j])
+                e3 = np.uint32(c3[j])
+                e4 = np.uint32(c4[j])
+                e5 = np.uint32(c5[j])
+                e6 = np.uint32(c6[j])
+                e7 = np.uint32(c7[j])
+                e8 = np.uint32(c8[j])
+                e9 = np.uint32(c9[j])
+                e10 = np.uint32(c10[j])
+                e11 = np.uint32(c11[j])
+                e12 = np.uint32(c12[j])
+                e13 = np.uint32(c13[j])
+                e14 = np.uint32(c14[j])
+                e15 = np.uint32(c15[j])
+                p0 = (xa0 * (np.float32(np.int32(e0 & np.uint32(15))) - _F8)
+                      + xb0 * (np.float32(np.int32(e0 >> np.uint32(4))) - _F8))
+                p1 = (xa1 * (np.float32(np.int32(e1 & np.uint32(15))) - _F8)
+                      + xb1 * (np.float32(np.int32(e1 >> np.uint32(4))) - _F8))
+                p2 = (xa2 * (np.float32(np.int32(e2 & np.uint32(15))) - _F8)
+                      + xb2 * (np.float32(np.int32(e2 >> np.uint32(4))) - _F8))
+                p3 = (xa3 * (np.float32(np.int32(e3 & np.uint32(15))) - _F8)
+                      + xb3 * (np.float32(np.int32(e3 >> np.uint32(4))) - _F8))
+                p4 = (xa4 * (np.float32(np.int32(e4 & np.uint32(15))) - _F8)
+                      + xb4 * (np.float32(np.int32(e4 >> np.uint32(4))) - _F8))
+                p5 = (xa5 * (np.float32(np.int32(e5 & np.uint32(15))) - _F8)
+                      + xb5 * (np.float32(np.int32(e5 >> np.uint32(4))) - _F8))
+                p6 = (xa6 * (np.float32(np.int32(e6 & np.uint32(15))) - _F8)
+                      + xb6 * (np.float32(np.int32(e6 >> np.uint32(4))) - _F8))
+                p7 = (xa7 * (np.float32(np.int32(e7 & np.uint32(15))) - _F8)
+                      + xb7 * (np.float32(np.int32(e7 >> np.uint32(4))) - _F8))
+                p8 = (xa8 * (np.float32(np.int32(e8 & np.uint32(15))) - _F8)
+                      + xb8 * (np.float32(np.int32(e8 >> np.uint32(4))) - _F8))
+                p9 = (xa9 * (np.float32(np.int32(e9 & np.uint32(15))) - _F8)
+                      + xb9 * (np.float32(np.int32(e9 >> np.uint32(4))) - _F8))
+                p10 = (xa10 * (np.float32(np.int32(e10 & np.uint32(15))) - _F8)
+                      + xb10 * (np.float32(np.int32(e10 >> np.uint32(4))) - _F8))
+                p11 = (xa11 * (np.float32(np.int32(e11 & np.uint32(15))) - _F8)
+                      + xb11 * (np.float32(np.int32(e11 >> np.uint32(4))) - _F8))
+                p12 = (xa12 * (np.float32(np.int32(e12 & np.uint32(15))) - _F8)
+                      + xb12 * (np.float32(np.int32(e12 >> np.uint32(4))) - _F8))
+                p13 = (xa13 * (np.float32(np.int32(e13 & np.uint32(15))) - _F8)
+                      + xb13 * (np.float32(np.int32(e13 >> np.uint32(4))) - _F8))
+                p14 = (xa14 * (np.float32(np.int32(e14 & np.uint32(15))) - _F8)
+                      + xb14 * (np.float32(np.int32(e14 >> np.uint32(4))) - _F8))
+                p15 = (xa15 * (np.float32(np.int32(e15 & np.uint32(15))) - _F8)
+                      + xb15 * (np.float32(np.int32(e15 >> np.uint32(4))) - _F8))
+                acc[j] += widen(s[j]) * ((((p0 + p1) + (p2 + p3)) + ((p4 + p5) + (p6 + p7)))
+                                         + (((p8 + p9) + (p10 + p11)) + ((p12 + p13) + (p14 + p15))))
+        y[n0:n1] = acc[:w]
 
 
 @njit(**JIT)
@@ -226,6 +341,8 @@ def matmul(p: PackedWeights, x: np.ndarray) -> np.ndarray:
         return y.reshape(lead + (p.n,))
     if m > _bq.BLAS_ROWS[p.format]:
         _blas_tiles(p, x2, y)
+    elif p.format == "Q4_0" and m == 1:
+        _q4_row(p.codes, p.scales.view(np.uint16), x2[0], y[0])
     elif p.format == "Q4_0":
         _q4_rows(p.codes, p.scales.view(np.uint16), x2, y)
     else:
