@@ -220,7 +220,8 @@ def bench_q4_row(rounds: int, layers: int = 30) -> None:
     from nnef_kv.kernels._blockquant_jit import _q4_row
 
     old_core = _old_q4_core()
-    print(f"== (c) one-row Q4_0 core, old vs new, SmolLM2-135M step ({layers} layers + LM head), 1 thread ==")
+    print(f"== (c) one-row Q4_0 core, old vs new ({_q4_row.py_func.__name__}), SmolLM2-135M step ({layers} layers "
+          f"+ LM head), 1 thread ==")
     rng = np.random.default_rng(0)
     weights = []
     for name, n, k in SMOL_LAYER * layers + [SMOL_HEAD]:

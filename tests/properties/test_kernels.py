@@ -190,9 +190,12 @@ def test_matmul_rank3_input_and_both_row_paths(mode, fmt):
        special=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0]), max_size=3),
        seed=st.integers(0, 2**31 - 1))
 def test_one_row_core_against_the_reference(n, blocks, special, seed):
-    """The one-row Q4_0 core (``_q4_row``: tiles of ROW_TILE outputs, a block summed in registers, the next
-    block prefetched, across tiles too) against the dequantized product and the few-row core: N below,
-    at and across the tile, K of 1-8 blocks, every byte value among the codes, NaN / Inf / 0 in x."""
+    """The one-row Q4_0 cores (``_q4_row_plain``, and ``_q4_row_lut`` where the host has AVX-512F: tiles of
+    ROW_TILE outputs, a block summed in registers, the next block prefetched, across tiles too) against
+    the dequantized product and the few-row core: N below, at and across the tile and the 16-output
+    vectors, K of 1-8 blocks, every byte value among the codes, NaN / Inf / 0 in x. The two one-row cores
+    take the same products (``x[k] * (q - 8)``, computed or looked up) in the same summation tree: their
+    results are equal bit for bit (NaN where NaN)."""
     from nnef_kv.kernels import _blockquant_jit as bj
 
     rng = np.random.default_rng(seed)
@@ -208,9 +211,13 @@ def test_one_row_core_against_the_reference(n, blocks, special, seed):
         x[rng.integers(0, k)] = val
     with np.errstate(invalid="ignore"):
         y = np.full(n, np.nan, np.float32)
-        bj._q4_row(codes, scales.view(np.uint16), x, y)
+        bj._q4_row_plain(codes, scales.view(np.uint16), x, y)
         _check_product(y, x, bq.dequantize_t(p))
-        assert np.array_equal(bq.matvec.jit(p, x), y, equal_nan=True)  # the dispatch takes this core
+        if bj.HAVE_PERMVAR:
+            y2 = np.full(n, np.nan, np.float32)
+            bj._q4_row_lut(codes, scales.view(np.uint16), x, y2)
+            assert np.array_equal(y2, y, equal_nan=True)
+        assert np.array_equal(bq.matvec.jit(p, x), y, equal_nan=True)  # the dispatch takes these cores
         two = np.empty((1, n), np.float32)
         bj._q4_rows(codes, scales.view(np.uint16), x[None], two)
         _check_product(two[0], x, bq.dequantize_t(p))
