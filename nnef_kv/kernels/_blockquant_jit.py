@@ -71,44 +71,64 @@ def _item_ptr(context, builder, aryty, ary_val, inds):
                                      inds=inds, wraparound=False, boundscheck=False)
 
 
-@intrinsic
-def _q4_block16(typingctx, codes, sbits, tab, acc, b, j, ja):
-    """``acc[ja:ja+16] += d[b, j:j+16] * sum_k tab[k, q[k, j:j+16]]`` over block ``b``'s 32 inputs ``k``, with
-    ``tab[k, v] = x[k] * (v - 8)`` (f32 [K, 16]): a 16-float table of one input's products is one zmm and
-    ``vpermps`` (``llvm.x86.avx512.permvar.sf.512``, which reads the low 4 bits of each index) picks a product
-    for 16 outputs at once from their codes, in place of sign extension, int -> float and a multiply. The
-    32 products are summed as the same tree as :func:`_q4_row_plain`'s, so the results are its, bit for bit.
-    No bounds check: ``j + 16 <= N``, ``ja + 16 <= len(acc)``. Only where :data:`HAVE_PERMVAR`."""
-    def codegen(context, builder, sig, args):
-        ct, st, tt, at = sig.args[:4]
-        cv, sv, tv, av = args[:4]
-        intp = context.get_value_type(types.intp)
-        b_, j_, ja_ = (context.cast(builder, v, t, types.intp) for v, t in zip(args[4:], sig.args[4:]))
-        perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F, _V16I]),
-                                              "llvm.x86.avx512.permvar.sf.512")
-        four = ir.Constant(_V16I, [4] * 16)
-        parts = []
-        for i in range(16):
-            r = builder.add(builder.mul(b_, intp(16)), intp(i))
-            k = builder.mul(r, intp(2))
-            cp = builder.bitcast(_item_ptr(context, builder, ct, cv, [r, j_]),
-                                 ir.VectorType(ir.IntType(8), 16).as_pointer())
-            idx = builder.zext(builder.load(cp, align=1), _V16I)
-            t0 = builder.bitcast(_item_ptr(context, builder, tt, tv, [k, intp(0)]), _V16F.as_pointer())
-            t1 = builder.bitcast(_item_ptr(context, builder, tt, tv, [builder.add(k, intp(1)), intp(0)]),
-                                 _V16F.as_pointer())
-            lo = builder.call(perm, [builder.load(t0, align=4), idx])
-            hi = builder.call(perm, [builder.load(t1, align=4), builder.lshr(idx, four)])
-            parts.append(builder.fadd(lo, hi))
-        while len(parts) > 1:
-            parts = [builder.fadd(parts[q], parts[q + 1]) for q in range(0, len(parts), 2)]
-        sp = builder.bitcast(_item_ptr(context, builder, st, sv, [b_, j_]),
-                             ir.VectorType(ir.HalfType(), 16).as_pointer())
-        d = builder.fpext(builder.load(sp, align=2), _V16F)
-        ap = builder.bitcast(_item_ptr(context, builder, at, av, [ja_]), _V16F.as_pointer())
-        builder.store(builder.fadd(builder.load(ap, align=4), builder.fmul(d, parts[0])), ap, align=4)
-        return context.get_dummy_value()
-    return types.none(codes, sbits, tab, acc, b, j, ja), codegen
+def _q4_block_lanes(groups: int):
+    """An intrinsic ``(codes, sbits, tab, acc, b, j, ja)``: ``acc[ja + i] += d[b, j + i] * sum_k tab[k, q[k, j + i]]``
+    for ``i < 16 * groups``, over block ``b``'s 32 inputs ``k``, with ``tab[k, v] = x[k] * (v - 8)`` (f32
+    [K, 16]). A 16-float table of one input's products is one zmm and ``vpermps``
+    (``llvm.x86.avx512.permvar.sf.512``, which reads the low 4 bits of each index) picks a product for 16
+    outputs at once from their codes, in place of sign extension, int -> float and a multiply. A byte row
+    is loaded ``16 * groups`` codes at a time (64: a whole cache line, used at once: with N a multiple of
+    4096 the 16 rows of a block fall in one L1 set and a line read 16 bytes at a time was evicted before
+    its last use). The 32 products of an output are summed as :func:`_q4_row_plain`'s tree (pairs of a
+    byte row, then pairs of pairs: built here as a binary counter), so the results are its, bit for bit.
+    No bounds check: ``j + 16 * groups <= N``, ``ja + 16 * groups <= len(acc)``. Only where
+    :data:`HAVE_PERMVAR`."""
+    @intrinsic
+    def block(typingctx, codes, sbits, tab, acc, b, j, ja):
+        def codegen(context, builder, sig, args):
+            ct, st, tt, at = sig.args[:4]
+            cv, sv, tv, av = args[:4]
+            intp = context.get_value_type(types.intp)
+            b_, j_, ja_ = (context.cast(builder, v, t, types.intp) for v, t in zip(args[4:], sig.args[4:]))
+            perm = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V16F, [_V16F, _V16I]),
+                                                  "llvm.x86.avx512.permvar.sf.512")
+            four = ir.Constant(_V16I, [4] * 16)
+            row_t = ir.VectorType(ir.IntType(8), 16 * groups).as_pointer()
+            stacks: list[list[tuple[int, ir.Value]]] = [[] for _ in range(groups)]
+            for i in range(16):
+                r = builder.add(builder.mul(b_, intp(16)), intp(i))
+                k = builder.mul(r, intp(2))
+                raw = builder.load(builder.bitcast(_item_ptr(context, builder, ct, cv, [r, j_]), row_t), align=1)
+                t0 = builder.load(builder.bitcast(_item_ptr(context, builder, tt, tv, [k, intp(0)]),
+                                                  _V16F.as_pointer()), align=4)
+                k1 = builder.add(k, intp(1))
+                t1 = builder.load(builder.bitcast(_item_ptr(context, builder, tt, tv, [k1, intp(0)]),
+                                                  _V16F.as_pointer()), align=4)
+                for g in range(groups):
+                    part = raw if groups == 1 else builder.shuffle_vector(
+                        raw, raw, ir.Constant(_V16I, list(range(16 * g, 16 * g + 16))))
+                    idx = builder.zext(part, _V16I)
+                    v = builder.fadd(builder.call(perm, [t0, idx]), builder.call(perm, [t1, builder.lshr(idx, four)]))
+                    size = 1
+                    while stacks[g] and stacks[g][-1][0] == size:
+                        v = builder.fadd(stacks[g].pop()[1], v)
+                        size *= 2
+                    stacks[g].append((size, v))
+            half_t = ir.VectorType(ir.HalfType(), 16).as_pointer()
+            for g in range(groups):
+                (_, total), = stacks[g]
+                sp = _item_ptr(context, builder, st, sv, [b_, builder.add(j_, intp(16 * g))])
+                d = builder.fpext(builder.load(builder.bitcast(sp, half_t), align=2), _V16F)
+                ap = builder.bitcast(_item_ptr(context, builder, at, av, [builder.add(ja_, intp(16 * g))]),
+                                     _V16F.as_pointer())
+                builder.store(builder.fadd(builder.load(ap, align=4), builder.fmul(d, total)), ap, align=4)
+            return context.get_dummy_value()
+        return types.none(codes, sbits, tab, acc, b, j, ja), codegen
+    return block
+
+
+_q4_block16 = _q4_block_lanes(1)
+_q4_block64 = _q4_block_lanes(4)
 
 
 @njit(**JIT)
@@ -276,10 +296,13 @@ def _q4_row_plain(codes, sbits, x, y):
 
 @njit(**JIT)
 def _q4_row_lut(codes, sbits, x, y):
-    """:func:`_q4_row_plain` (same tiles, prefetch, products and summation tree: the same results, bit for
-    bit) with the products looked up: ``tab[k, v] = x[k] * (v - 8)`` once a call (16 K products, the
-    products of the plain core exactly), then :func:`_q4_block16` for 16 outputs at a time; the last
-    ``w % 16`` outputs of a tile read the same table in scalar code. Only where :data:`HAVE_PERMVAR`."""
+    """:func:`_q4_row_plain` (same tiles, products and summation tree: the same results, bit for bit) with
+    the products looked up: ``tab[k, v] = x[k] * (v - 8)`` once a call (16 K products, the plain core's
+    exactly), then :func:`_q4_block64` for 64 outputs at a time, :func:`_q4_block16` for 16, scalar code
+    reading the same table for the last ``w % 16`` outputs of a tile. The next block's codes and scales
+    (the next tile's first block after the last) are prefetched into L2 spread over the block's pass, 16
+    lines (one a byte row) before every 64 outputs: a burst of a whole block's lines at its start was
+    slower (benchmarks/kernels.py --only q4row). Only where :data:`HAVE_PERMVAR`."""
     wide_vectors()
     k2, n = codes.shape
     nb = k2 // 16
@@ -294,19 +317,22 @@ def _q4_row_lut(codes, sbits, x, y):
     for n0 in range(0, n, tw):
         n1 = min(n, n0 + tw)
         w = n1 - n0
+        w64 = w - w % 64
         w16 = w - w % 16
         acc[:w] = 0.0
         for b in range(nb):
-            bp, f0, f1 = b + 1, n0, n1
+            bp, f0 = b + 1, n0
             if bp == nb:
-                bp, f0, f1 = 0, n1, min(n, n1 + tw)
-            if bp < nb and f0 < f1:
-                for rr in range(bp * 16, bp * 16 + 16):
-                    for jj in range(f0, f1, 64):
-                        _prefetch_l2(codes, rr, jj)
-                for jj in range(f0, f1, 32):
-                    _prefetch_l2(sbits, bp, jj)
-            for j in range(0, w16, 16):
+                bp, f0 = 0, n1
+            ahead = bp < nb and f0 < n
+            for j in range(0, w64, 64):
+                if ahead and f0 + j < n:
+                    for rr in range(bp * 16, bp * 16 + 16):
+                        _prefetch_l2(codes, rr, f0 + j)
+                    _prefetch_l2(sbits, bp, f0 + j)
+                    _prefetch_l2(sbits, bp, min(n - 1, f0 + j + 32))
+                _q4_block64(codes, sbits, tab, acc, b, n0 + j, j)
+            for j in range(w64, w16, 16):
                 _q4_block16(codes, sbits, tab, acc, b, n0 + j, j)
             for j in range(w16, w):
                 for i in range(16):

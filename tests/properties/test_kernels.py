@@ -186,16 +186,16 @@ def test_matmul_rank3_input_and_both_row_paths(mode, fmt):
 
 @requires_numba
 @HYP
-@given(n=st.sampled_from([1, 15, 16, 17, 63, 1023, 1024, 1025, 2100]), blocks=st.integers(1, 8),
+@given(n=st.sampled_from([1, 15, 16, 17, 63, 64, 65, 80, 1023, 1024, 1025, 1090, 4096]), blocks=st.integers(1, 8),
        special=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0]), max_size=3),
        seed=st.integers(0, 2**31 - 1))
 def test_one_row_core_against_the_reference(n, blocks, special, seed):
     """The one-row Q4_0 cores (``_q4_row_plain``, and ``_q4_row_lut`` where the host has AVX-512F: tiles of
     ROW_TILE outputs, a block summed in registers, the next block prefetched, across tiles too) against
-    the dequantized product and the few-row core: N below, at and across the tile and the 16-output
-    vectors, K of 1-8 blocks, every byte value among the codes, NaN / Inf / 0 in x. The two one-row cores
-    take the same products (``x[k] * (q - 8)``, computed or looked up) in the same summation tree: their
-    results are equal bit for bit (NaN where NaN)."""
+    the dequantized product and the few-row core: N below, at and across the tile and the 16- and
+    64-output groups (a multiple of 4096 too), K of 1-8 blocks, every byte value among the codes, NaN /
+    Inf / 0 in x. The two one-row cores take the same products (``x[k] * (q - 8)``, computed or looked
+    up) in the same summation tree: their results are equal bit for bit (NaN where NaN)."""
     from nnef_kv.kernels import _blockquant_jit as bj
 
     rng = np.random.default_rng(seed)
