@@ -17,8 +17,9 @@ from .blockquant import matmul as _matmul_kernel
 __all__ = ["matmul", "matvec"]
 
 _F8 = np.float32(8.0)
-#: outputs a tile of the one-row Q4_0 core (benchmarks/kernels.py --only q4row: 1024 was faster than 512 and
-#: 2048 on the SmolLM2-135M shapes, weights from memory)
+#: outputs a tile of the one-row Q4_0 cores (SmolLM2-135M shapes, weights from memory: the lookup core as fast
+#: at 1024 to 4096 and slower at 512, the plain core fastest at 1024; docs/benchmarks.md, "Where the code's
+#: thresholds come from")
 ROW_TILE = 1024
 
 
