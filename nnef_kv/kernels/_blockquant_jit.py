@@ -41,8 +41,8 @@ def _prefetch_l2(typingctx, arr, i, j):
                                         inds=inds, wraparound=False, boundscheck=False)
         i8p = ir.IntType(8).as_pointer()
         i32 = ir.IntType(32)
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
-                                            "llvm.prefetch.p0")
+        name = "llvm.prefetch.p0" if str(i8p) == "ptr" else "llvm.prefetch.p0i8"  # opaque / typed pointers
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]), name)
         builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(2), i32(1)])
         return context.get_dummy_value()
     return types.none(arr, i, j), codegen
