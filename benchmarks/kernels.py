@@ -17,6 +17,15 @@ separately and printed, and kept out of the figures.
     python benchmarks/kernels.py                 # everything
     python benchmarks/kernels.py --quick         # fewer rounds, T = 2048
     python benchmarks/kernels.py --only kivi     # or: --only weights
+    python benchmarks/kernels.py --only q4row    # one-row Q4_0 core, old vs new, SmolLM2-135M shapes
+
+(c) ``--only q4row``: the one-row Q4_0 core (the decode step's path) against a copy of the core it replaced
+    (``_OLD_Q4_SRC`` below, kept here only), on one thread, on the Q4_0 linears of a SmolLM2-135M-shaped
+    decode step: 30 layers of q|k|v [576 -> 960], o [576 -> 576], gate|up [576 -> 3072], down [1536 -> 576],
+    then the LM head [576 -> 49152]; random codes and f16 scales (~76 MB, more than the L3), called in the
+    step's order so each weight comes from memory. A round runs the whole step with one core then the other
+    (alternating which goes first), each call timed; per shape: best over rounds and the median per-round
+    ratio old / new.
 """
 from __future__ import annotations
 
@@ -110,6 +119,155 @@ def bench_weights(rounds: int) -> None:
                       f"BLAS_ROWS = {bq.BLAS_ROWS[fmt]})")
 
 
+# ============================================================================ (c) one-row Q4_0 core
+def _old_q4_core():
+    """The one-row core replaced on branch q4-kernel, compiled from the copy below (not cached)."""
+    from numba import njit
+
+    from nnef_kv.kernels._blockquant_jit import _F8
+    from nnef_kv.kernels._numba_common import JIT, h2f, wide_vectors
+
+    @njit(**dict(JIT, cache=False))
+    def _tile(n, m):
+        t = max(64, min(2048, 8192 // max(1, m))) // 16 * 16
+        return min(t, n)
+
+    g = {"np": np, "njit": njit, "JIT": dict(JIT, cache=False), "h2f": h2f, "wide_vectors": wide_vectors,
+         "_F8": _F8, "_tile": _tile}
+    exec(compile(_OLD_Q4_SRC, "<_q4_rows_old>", "exec"), g)
+    return g["_q4_rows_old"]
+
+
+_OLD_Q4_SRC = """
+@njit(**JIT)
+def _q4_rows_old(codes, sbits, x, y):
+    # the Q4_0 row core before branch q4-kernel (one row: four byte rows a pass into tmp)
+    wide_vectors()
+    k2, n = codes.shape
+    m_rows = x.shape[0]
+    nb = k2 // 16
+    tw = _tile(n, m_rows)
+    acc = np.empty((m_rows, tw), np.float32)
+    tmp = np.empty((m_rows, tw), np.float32)
+    sc = np.empty(tw, np.float32)
+    lo = np.empty(tw, np.float32)
+    hi = np.empty(tw, np.float32)
+    for n0 in range(0, n, tw):
+        n1 = min(n, n0 + tw)
+        w = n1 - n0
+        acc[:, :w] = 0.0
+        for b in range(nb):
+            tmp[:, :w] = 0.0
+            if m_rows == 1:  # four byte rows (eight inputs) a pass
+                t0 = tmp[0]
+                for r in range(b * 16, b * 16 + 16, 4):
+                    s0 = codes[r, n0:n1]
+                    s1 = codes[r + 1, n0:n1]
+                    s2 = codes[r + 2, n0:n1]
+                    s3 = codes[r + 3, n0:n1]
+                    xa = x[0, 2 * r]
+                    xb = x[0, 2 * r + 1]
+                    xc = x[0, 2 * r + 2]
+                    xd = x[0, 2 * r + 3]
+                    xe = x[0, 2 * r + 4]
+                    xf = x[0, 2 * r + 5]
+                    xg = x[0, 2 * r + 6]
+                    xh = x[0, 2 * r + 7]
+                    for j in range(w):
+                        c = np.uint32(s0[j])
+                        e = np.uint32(s1[j])
+                        f = np.uint32(s2[j])
+                        g = np.uint32(s3[j])
+                        t0[j] += (((xa * (np.float32(np.int32(c & np.uint32(15))) - _F8)
+                                    + xb * (np.float32(np.int32(c >> np.uint32(4))) - _F8))
+                                   + (xc * (np.float32(np.int32(e & np.uint32(15))) - _F8)
+                                      + xd * (np.float32(np.int32(e >> np.uint32(4))) - _F8)))
+                                  + ((xe * (np.float32(np.int32(f & np.uint32(15))) - _F8)
+                                      + xf * (np.float32(np.int32(f >> np.uint32(4))) - _F8))
+                                     + (xg * (np.float32(np.int32(g & np.uint32(15))) - _F8)
+                                        + xh * (np.float32(np.int32(g >> np.uint32(4))) - _F8))))
+            else:
+                for r in range(b * 16, b * 16 + 16):
+                    s0 = codes[r, n0:n1]
+                    for j in range(w):  # decode once, use for every row
+                        c = np.uint32(s0[j])
+                        lo[j] = np.float32(np.int32(c & np.uint32(15))) - _F8
+                        hi[j] = np.float32(np.int32(c >> np.uint32(4))) - _F8
+                    for m in range(m_rows):
+                        xa = x[m, 2 * r]
+                        xb = x[m, 2 * r + 1]
+                        tm = tmp[m]
+                        for j in range(w):
+                            tm[j] += xa * lo[j] + xb * hi[j]
+            s = sbits[b, n0:n1]
+            for j in range(w):
+                sc[j] = h2f(s[j])
+            for m in range(m_rows):
+                am = acc[m]
+                tm = tmp[m]
+                for j in range(w):
+                    am[j] += sc[j] * tm[j]
+        y[:, n0:n1] = acc[:, :w]
+
+"""
+
+#: a SmolLM2-135M decode step's Q4_0 products (name, N outputs, K inputs): a layer's, then the LM head
+SMOL_LAYER = [("q|k|v", 960, 576), ("o", 576, 576), ("gate|up", 3072, 576), ("down", 576, 1536)]
+SMOL_HEAD = ("head", 49152, 576)
+
+
+def bench_q4_row(rounds: int, layers: int = 30) -> None:
+    from nnef_kv.kernels._blockquant_jit import _q4_row
+
+    old_core = _old_q4_core()
+    print(f"== (c) one-row Q4_0 core, old vs new ({_q4_row.py_func.__name__}), SmolLM2-135M step ({layers} layers "
+          f"+ LM head), 1 thread ==")
+    rng = np.random.default_rng(0)
+    weights = []
+    for name, n, k in SMOL_LAYER * layers + [SMOL_HEAD]:
+        weights.append((name, rng.integers(0, 256, (k // 2, n), dtype=np.uint8),
+                        (rng.standard_normal((k // 32, n)) * 0.02).astype(np.float16).view(np.uint16)))
+    xs = {k: rng.standard_normal(k).astype(np.float32) for k in {s[2] for s in SMOL_LAYER + [SMOL_HEAD]}}
+    mb = sum(c.nbytes + s.nbytes for _, c, s in weights) / 1e6
+
+    def new(c, s, x, y):
+        _q4_row(c, s, x, y)
+
+    def old(c, s, x, y):
+        old_core(c, s, x.reshape(1, -1), y.reshape(1, -1))
+
+    for _, c, s in weights[:4] + weights[-1:]:  # compile / load, and the two agree
+        x = xs[c.shape[0] * 2]
+        y0, y1 = np.empty(c.shape[1], np.float32), np.empty(c.shape[1], np.float32)
+        old(c, s, x, y0)
+        new(c, s, x, y1)
+        np.testing.assert_allclose(y1, y0, rtol=1e-4, atol=1e-4 * float(np.abs(y0).max()))
+
+    def step(f) -> dict[str, float]:
+        t: dict[str, float] = {}
+        for nm, c, s in weights:
+            x, y = xs[c.shape[0] * 2], np.empty(c.shape[1], np.float32)
+            t0 = time.perf_counter()
+            f(c, s, x, y)
+            t[nm] = t.get(nm, 0.0) + time.perf_counter() - t0
+        t["step"] = sum(t.values())
+        return t
+
+    print(f"  weights {mb:.1f} MB; load average before: {os.getloadavg()}")
+    res: dict[str, list[dict[str, float]]] = {"old": [], "new": []}
+    for i in range(rounds):
+        for nm, f in ((("old", old), ("new", new)) if i % 2 == 0 else (("new", new), ("old", old))):
+            res[nm].append(step(f))
+    for key in [s[0] for s in SMOL_LAYER] + [SMOL_HEAD[0], "step"]:
+        bo = min(t[key] for t in res["old"]) * 1e3
+        bn = min(t[key] for t in res["new"]) * 1e3
+        ratio = float(np.median([a[key] / b[key] for a, b in zip(res["old"], res["new"])]))
+        mw = sum(c.size * 2 for nm, c, _ in weights if key in (nm, "step")) / 1e6
+        print(f"  {key:8s} {mw:6.1f} M weights: old {bo:6.2f} ms, new {bn:6.2f} ms (best of {rounds}); "
+              f"old/new median {ratio:.2f}x, best {bo / bn:.2f}x; new {mw / bn:.1f} G weights/s")
+    print(f"  load average after: {os.getloadavg()}")
+
+
 # ============================================================================== (b) KIVI
 def make_cache(t: int, bits: int, value_group: int, hkv: int = 8, d: int = 128, seed: int = 0) -> KiviSdpa:
     rng = np.random.default_rng(seed)
@@ -195,7 +353,7 @@ def speedup(mode: str, t: int, rounds: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, T = 2048")
-    ap.add_argument("--only", choices=["weights", "kivi"], default=None)
+    ap.add_argument("--only", choices=["weights", "kivi", "q4row"], default=None)
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=0)
     ap.add_argument("--parallel", choices=["pool", "prange"], default=None,
@@ -218,6 +376,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"load average before: {os.getloadavg()}; KIVI heads split by: {kj.PARALLEL}")
     if args.only in (None, "weights"):
         bench_weights(rounds)
+    if args.only in (None, "q4row"):
+        with threadpool_limits(1):
+            bench_q4_row(rounds)
     if args.only in (None, "kivi"):
         bench_kivi(t, rounds, [int(b) for b in args.bits.split(",")], [int(g) for g in args.groups.split(",")],
                    args.rows)

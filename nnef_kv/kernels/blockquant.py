@@ -28,9 +28,12 @@ vectorises without fastmath), then ``acc[n] += d[b, n] * tmp[n]``. Up to summati
 product with the dequantized weights, ``sum_k x[k] * ((q - 8) * d)``: ``(q - 8) * d`` is exact in f32 (a
 4-bit or 8-bit integer times an f16), and factoring ``d`` out of a block only regroups the terms. The
 same holds for NaN/Inf in ``x`` (``Inf * 0`` is NaN both ways, the signs of infinities are those of the
-terms). With **non-finite scales** (a block of huge values quantized by tract gives an f16 ``Inf``
-scale) factoring would change which results are NaN, so such weights (``finite_scales`` False) take
-the reference path. Rows ``M > BLAS_ROWS[format]`` (short and long prefill) dequantize
+terms). One row of Q4_0 (a decode step) has its own core: a block's 32 products summed as a tree in
+registers, the next block prefetched; on AVX-512F hosts the products ``x[k] * (q - 8)`` are looked up in
+a table of 16 an input (``vpermps``), the same f32 values in the same tree (``_blockquant_jit._q4_row_lut``
+/ ``_q4_row_plain``). With **non-finite scales** (a block of huge values quantized by tract gives an f16
+``Inf`` scale) factoring would change which results are NaN, so such weights (``finite_scales`` False)
+take the reference path. Rows ``M > BLAS_ROWS[format]`` (short and long prefill) dequantize
 ``[256, 512]`` blocks of ``W.T`` (numba, 512 KiB of f32: L2-resident) and multiply each with BLAS,
 which is faster there (see ``benchmarks/kernels.py``); the dequantized values are exactly the
 reference's, only the summation is blocked.

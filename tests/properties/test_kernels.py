@@ -184,6 +184,45 @@ def test_matmul_rank3_input_and_both_row_paths(mode, fmt):
         _check_product(y.reshape(-1, 100), x.reshape(-1, 96), bq.dequantize_t(p))
 
 
+@requires_numba
+@HYP
+@given(n=st.sampled_from([1, 15, 16, 17, 63, 64, 65, 80, 1023, 1024, 1025, 1090, 4096]), blocks=st.integers(1, 8),
+       special=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0]), max_size=3),
+       seed=st.integers(0, 2**31 - 1))
+def test_one_row_core_against_the_reference(n, blocks, special, seed):
+    """The one-row Q4_0 cores (``_q4_row_plain``, and ``_q4_row_lut`` where the host has AVX-512F: tiles of
+    ROW_TILE outputs, a block summed in registers, the next block prefetched, across tiles too) against
+    the dequantized product and the few-row core: N below, at and across the tile and the 16- and
+    64-output groups (a multiple of 4096 too), K of 1-8 blocks, every byte value among the codes, NaN /
+    Inf / 0 in x. The two one-row cores take the same products (``x[k] * (q - 8)``, computed or looked
+    up) in the same summation tree: their results are equal bit for bit (NaN where NaN)."""
+    from nnef_kv.kernels import _blockquant_jit as bj
+
+    rng = np.random.default_rng(seed)
+    k = 32 * blocks
+    codes = rng.integers(0, 256, (k // 2, n), dtype=np.uint8)
+    codes.reshape(-1)[: min(256, codes.size)] = np.arange(min(256, codes.size), dtype=np.uint8)
+    scales = (rng.standard_normal((blocks, n)) * rng.choice([1e-3, 1.0, 1e3], (blocks, n))).astype(np.float16)
+    p = bq.PackedWeights(format="Q4_0", shape=(n, k), codes=codes, scales=scales,
+                         finite_scales=bool(np.isfinite(scales).all()))
+    assert p.finite_scales
+    x = rng.standard_normal(k).astype(np.float32)
+    for val in special:
+        x[rng.integers(0, k)] = val
+    with np.errstate(invalid="ignore"):
+        y = np.full(n, np.nan, np.float32)
+        bj._q4_row_plain(codes, scales.view(np.uint16), x, y)
+        _check_product(y, x, bq.dequantize_t(p))
+        if bj.HAVE_PERMVAR:
+            y2 = np.full(n, np.nan, np.float32)
+            bj._q4_row_lut(codes, scales.view(np.uint16), x, y2)
+            assert np.array_equal(y2, y, equal_nan=True)
+        assert np.array_equal(bq.matvec.jit(p, x), y, equal_nan=True)  # the dispatch takes these cores
+        two = np.empty((1, n), np.float32)
+        bj._q4_rows(codes, scales.view(np.uint16), x[None], two)
+        _check_product(two[0], x, bq.dequantize_t(p))
+
+
 def test_non_finite_scales_take_the_reference_path(mode):
     """A block of huge values gets an f16 Inf scale (as in tract): factoring the scale out of a block
     would change which outputs are NaN, so such weights use the reference."""
