@@ -282,11 +282,13 @@ def test_shape_errors():
 # ============================================================================ f32 few-row products
 @HYP
 @given(m=st.integers(1, gv.MAX_ROWS), n=st.integers(1, 90), k=st.integers(1, 300), f64=st.booleans(),
-       special=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 3e38]), max_size=3),
+       special=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 0.0]), max_size=3),
        cut=st.integers(0, 90), seed=st.integers(0, 2**31 - 1))
 def test_rows_by_t_matches_the_product(mode, m, n, k, f64, special, cut, seed):
     """``out[:, lo:hi] = a @ w[lo:hi].T`` within the dot-product bound (same NaN/Inf pattern); the columns
-    outside lo:hi are left as they were; and with numba the split at any row gives the unsplit call's bits."""
+    outside lo:hi are left as they were; and with numba the split at any row gives the unsplit call's bits.
+    No value near the float32 maximum among the inputs: whether a sum of such products overflows depends on
+    the order it is summed in, which the kernel may choose (as the Q4_0 tests above)."""
     rng = np.random.default_rng(seed)
     dt = np.float64 if f64 else np.float32
     a = rng.standard_normal((m, k)).astype(dt)
