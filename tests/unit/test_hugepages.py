@@ -147,3 +147,30 @@ def test_a_tgz_member_is_inflated_into_huge_pages_and_planned_in_place(monkeypat
     assert np.shares_memory(a, model.tensors["a"])  # no copy
     monkeypatch.setenv(hugepages.ENV, "0")
     assert not hugepages.holds(nnef_kv.load(path).tensors["a"])
+
+
+def _block_kernels(session: Session) -> list:
+    from nnef_kv.interpreter.plan.blockweights import BlockLinear
+
+    found = []
+    for step in session.plan.steps:
+        cells = [c.cell_contents for c in (getattr(step, "__closure__", None) or ())]
+        for obj in cells + list(getattr(step, "__defaults__", None) or ()):
+            if isinstance(obj, BlockLinear):
+                found.append(obj)
+    return found
+
+
+def test_repacked_q4_0_weights_are_held_in_huge_pages(monkeypatch) -> None:
+    from nnef_kv.models import DecoderConfig, build_decoder
+
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    cfg = DecoderConfig(vocab=256, hidden=512, layers=1, heads=8, kv_heads=8, head_dim=64, mlp=1536,
+                        cache="explicit", weights="q4_0")
+    kernels = _block_kernels(Session(build_decoder(cfg), threads=1))
+    big = [k.packed for k in kernels if k.packed.codes.nbytes >= W.MIN_HUGE_BYTES]
+    assert len(big) >= 3  # q|k|v and gate|up fused, down alone (o: 128 KiB of codes, under the threshold)
+    assert all(hugepages.holds(p.codes) and hugepages.holds(p.scales) for p in big)
+    monkeypatch.setenv(hugepages.ENV, "0")
+    kernels = _block_kernels(Session(build_decoder(cfg), threads=1))
+    assert kernels and not any(hugepages.holds(k.packed.codes) for k in kernels)

@@ -23,17 +23,19 @@ reference's bits, which are those of the old dequantize-at-load path (the same B
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Callable
 
 import numpy as np
 
+from ...tensors import hugepages
 from ...tensors.blockquant import BLOCK_LEN, BlockQuantTensor
 from ...tensors.pages import release_pages
 from ..catalog import ops_having
 from ..graph import Node, slots_of
 from ..values import Lazy
 from .steps import replace_steps
-from .weights import add_bias
+from .weights import MIN_HUGE_BYTES, add_bias
 
 __all__ = ["is_block", "fold_block", "rewrite_block_product", "fuse_block_projections", "materialize",
            "dequantizing", "BlockLinear"]
@@ -137,12 +139,14 @@ def fuse_block_projections(steps: list[Any], nodes: list[Node], kernels: dict[in
         groups.setdefault((node.inputs[0], kern.packed.format, kern.packed.k), []).append(i)
     replace: dict[int, tuple[Any, Node]] = {}
     drop: set[int] = set()
+    fused: set[int] = set()
     for (x, fmt, k), members in groups.items():
         if len(members) < 2:
             continue
         ps = [kernels[i].packed for i in members]
-        codes = np.ascontiguousarray(np.concatenate([p.codes for p in ps], axis=1))
-        scales = np.ascontiguousarray(np.concatenate([p.scales for p in ps], axis=1))
+        huge = hugepages.enabled() and sum(p.codes.nbytes for p in ps) >= MIN_HUGE_BYTES
+        codes = _side_by_side([p.codes for p in ps], huge)
+        scales = _side_by_side([p.scales for p in ps], huge)
         both = PackedWeights(format=fmt, shape=(codes.shape[1], k), codes=codes, scales=scales,
                              finite_scales=all(p.finite_scales for p in ps))
         # the parts' fallbacks (each dequantizes its original weight), not the parts' kernels: those hold
@@ -167,9 +171,34 @@ def fuse_block_projections(steps: list[Any], nodes: list[Node], kernels: dict[in
 
         replace[members[0]] = (step, node)
         drop.update(members[1:])
+        fused.update(members)
+    for i, kern in kernels.items():  # the products left alone: their repacked arrays into huge pages too
+        if i not in fused:
+            kern.packed = _in_huge_pages(kern.packed)
     if not replace:
         return steps, nodes, 0
     return replace_steps(steps, nodes, replace, drop)
+
+
+def _side_by_side(parts: list[np.ndarray], huge: bool) -> np.ndarray:
+    """``parts`` (2-D, one dtype) concatenated along their columns into one C-contiguous array, in huge pages
+    if ``huge`` (:mod:`nnef_kv.tensors.hugepages`; a decode step streams it: the one-row Q4_0 core took 6.40
+    instead of 7.11 ms a SmolLM2-135M step with its codes there, docs/benchmarks.md)."""
+    shape = (parts[0].shape[0], sum(p.shape[1] for p in parts))
+    if huge:
+        out = hugepages.empty(shape, parts[0].dtype)
+        np.concatenate(parts, axis=1, out=out)
+        return out
+    return np.ascontiguousarray(np.concatenate(parts, axis=1))
+
+
+def _in_huge_pages(packed: Any) -> Any:
+    """A repacked weight with its codes and scales copied into huge pages when its codes are large enough (the
+    originals, the plan's own repacked arrays, are dropped with it)."""
+    if not hugepages.enabled() or packed.codes.nbytes < MIN_HUGE_BYTES or hugepages.holds(packed.codes):
+        return packed
+    return dataclasses.replace(packed, codes=_side_by_side([packed.codes], True),
+                               scales=_side_by_side([packed.scales], True))
 
 
 def dequantizing(kernel: Callable, positions: list[int]) -> Callable:
