@@ -33,7 +33,7 @@ from ..graph import Node
 from .parallel import split_matmul
 from .steps import Step, has_lazy as _has_lazy, replace_steps
 
-__all__ = ["rewrite_weights", "fuse_projections", "place_weights", "MIN_HUGE_BYTES"]
+__all__ = ["rewrite_weights", "fuse_projections", "place_weights", "MIN_HUGE_BYTES", "MAX_HUGE_BYTES"]
 
 
 def _matmul_pretransposed(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
@@ -108,6 +108,12 @@ _COPIES: dict[tuple, tuple[tuple[weakref.ref, ...], weakref.ref]] = {}
 #: a weight smaller than this stays where it is (the archive's mapping, or its own array): the copy would cost
 #: more than its share of a step
 MIN_HUGE_BYTES = 256 * 1024
+#: nor is a weight larger than this copied alone (the LM head of a large vocabulary): one long stream gains
+#: little from huge pages (``python benchmarks/scale.py --rows products``: 1 x 576 x 49152 at 29.2 GB/s from a
+#: NumPy array, 28.2 from huge pages; a SmolLM2-135M-shaped f32 decode step, its 113 MB head copied or
+#: not, interleaved in one process: 25.5-29.7 vs 26.2-30.2 ms, 2-3%), and copying costs load time (1.8 s
+#: for Llama-3.2-1B's tied 1 GB embedding) and, while it is copied, the weight's size twice
+MAX_HUGE_BYTES = 256 << 20
 
 
 def _stacked(parts: list[np.ndarray]) -> np.ndarray:
@@ -146,8 +152,8 @@ def _stacked(parts: list[np.ndarray]) -> np.ndarray:
 
 
 def place_weights(base: list[Any], slots: list[int]) -> int:
-    """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) of at least
-    :data:`MIN_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a decode step streams them at a
+    """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) of
+    :data:`MIN_HUGE_BYTES` to :data:`MAX_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a decode step streams them at a
     higher rate there. A weight memory-mapped read-only from a model file is copied (shared with other
     plans of the same arrays, see :func:`_stacked`) and its file pages are given back; one already in
     huge pages (a ``.tgz`` member is inflated into them) stays; one in the process's own memory (a model
@@ -158,7 +164,8 @@ def place_weights(base: list[Any], slots: list[int]) -> int:
     placed = 0
     for s in slots:
         wt = base[s]
-        if not (isinstance(wt, np.ndarray) and wt.ndim == 2 and wt.nbytes >= MIN_HUGE_BYTES and wt.dtype.kind == "f"):
+        if not (isinstance(wt, np.ndarray) and wt.ndim == 2 and MIN_HUGE_BYTES <= wt.nbytes <= MAX_HUGE_BYTES
+                and wt.dtype.kind == "f"):
             continue
         root = _root(wt)
         if root.flags.writeable or hugepages.holds(root) or _mapping_of(root.base) is None:
