@@ -33,7 +33,8 @@ from ..graph import Node
 from .parallel import split_matmul
 from .steps import Step, has_lazy as _has_lazy, replace_steps
 
-__all__ = ["rewrite_weights", "fuse_projections", "place_weights", "MIN_HUGE_BYTES", "MAX_HUGE_BYTES"]
+__all__ = ["rewrite_weights", "fuse_projections", "place_weights", "MIN_HUGE_BYTES",
+           "MAX_HUGE_BYTES"]
 
 
 def _matmul_pretransposed(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
@@ -153,8 +154,8 @@ def _stacked(parts: list[np.ndarray]) -> np.ndarray:
 
 def place_weights(base: list[Any], slots: list[int]) -> int:
     """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) of
-    :data:`MIN_HUGE_BYTES` to :data:`MAX_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a decode step streams them at a
-    higher rate there. A weight memory-mapped read-only from a model file is copied (shared with other
+    :data:`MIN_HUGE_BYTES` to :data:`MAX_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a
+    decode step streams them at a higher rate there. A weight memory-mapped read-only from a model file is copied (shared with other
     plans of the same arrays, see :func:`_stacked`) and its file pages are given back; one already in
     huge pages (a ``.tgz`` member is inflated into them) stays; one in the process's own memory (a model
     built or imported in Python) stays too: a copy would hold it twice. Returns the bytes copied.
