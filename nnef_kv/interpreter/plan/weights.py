@@ -154,12 +154,12 @@ def _stacked(parts: list[np.ndarray]) -> np.ndarray:
 
 def place_weights(base: list[Any], slots: list[int]) -> int:
     """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) of
-    :data:`MIN_HUGE_BYTES` to :data:`MAX_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a
-    decode step streams them at a higher rate there. A weight memory-mapped read-only from a model file is copied (shared with other
-    plans of the same arrays, see :func:`_stacked`) and its file pages are given back; one already in
-    huge pages (a ``.tgz`` member is inflated into them) stays; one in the process's own memory (a model
-    built or imported in Python) stays too: a copy would hold it twice. Returns the bytes copied.
-    Nothing when ``NNEF_KV_HUGE_PAGES=0``."""
+    :data:`MIN_HUGE_BYTES` to :data:`MAX_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a decode
+    step streams them at a higher rate there. A weight memory-mapped read-only from a model file is copied
+    (shared with other plans of the same arrays, see :func:`_stacked`) and its file pages are given back; one
+    already in huge pages (a ``.tgz`` member is inflated into them) stays; one in the process's own memory (a
+    model built or imported in Python) stays too: a copy would hold it twice. Returns the bytes copied. Nothing
+    when ``NNEF_KV_HUGE_PAGES=0``."""
     if not hugepages.enabled():
         return 0
     placed = 0
