@@ -2,12 +2,12 @@
 
 A decode step reads every weight once, so it runs at the speed the core streams memory, and with the
 4 KiB pages of a file mapping (or of ``malloc``'s blocks) the core also walks the page tables every 4 KiB.
-``python benchmarks/scale.py --rows products`` / ``--rows decode`` measure it (docs/benchmarks.md, "At real
-size"): the SmolLM2-135M-shaped f32 decoder decodes in 26.2 ms a token with its weights in huge pages and
-32.7 ms with the same weights read from the archive's mapping (tract 25.4 / 24.8 ms in the same runs).
+On the SmolLM2-135M-shaped f32 decoder, two sessions of the same archive decoding interleaved in one
+process (docs/benchmarks.md, "At real size"; three runs): 26.9-29.1 ms a token with the weights in huge
+pages, 29.9-33.5 ms read from the archive's mapping, tract 26.4-28.5 ms beside them.
 
-:func:`empty` hands out arrays from chunks of :data:`CHUNK` bytes (or one chunk the size of a larger
-array), each an anonymous private mapping aligned on :data:`HUGE` and advised ``MADV_HUGEPAGE``: on Linux
+:func:`empty` hands out arrays cut from chunks of :data:`CHUNK` bytes (an array over half of that gets a
+chunk of its own), each an anonymous private mapping aligned on :data:`HUGE` and advised ``MADV_HUGEPAGE``: on Linux
 with transparent huge pages in ``madvise`` or ``always`` mode the kernel backs them with 2 MiB pages as
 they are first written. A chunk lives as long as an array in it does (the arrays hold the mapping); pages
 of a chunk nobody wrote are never resident. After a ``fork`` (compare's workers) the chunks are shared by

@@ -5,17 +5,17 @@ rows of ``W`` (:mod:`nnef_kv.kernels.gemv`), a prefill on BLAS told the transpos
 of one input by several constant weights (q/k/v, gate/up) become one product by the weights stacked
 (one new ``[sum of outs, in]`` array).
 
-Every product's weight of at least :data:`MIN_HUGE_BYTES` is then held in huge pages
-(:mod:`nnef_kv.tensors.hugepages`): stacked weights are made there, the others copied there by
-:func:`place_weights`, and the pages of a memory-mapped original are given back
-(:func:`nnef_kv.tensors.pages.release_pages`), so the plan still holds one copy of each weight, and the
-loaded model reads no tensor byte until a session is planned. A decode step streams every weight once:
-in huge pages it does so without the page-table walks of 4 KiB pages (``python benchmarks/scale.py
---rows decode``; docs/benchmarks.md, "At real size"). ``NNEF_KV_HUGE_PAGES=0`` keeps the archive's own
-mapped arrays instead (no copy, nothing read at planning). The copies are shared by the plans of the
+The products' weights are held in huge pages (:mod:`nnef_kv.tensors.hugepages`) where that costs no second
+copy: stacked weights are made there; a weight of :data:`MIN_HUGE_BYTES` to :data:`MAX_HUGE_BYTES`
+memory-mapped from a model file is copied there by :func:`place_weights` and its file pages are given
+back (:func:`nnef_kv.tensors.pages.release_pages`), so the plan still holds one copy and loading reads no
+tensor byte (planning does); a ``.tgz`` member is inflated into huge pages already; a model the process
+built itself keeps its arrays. A decode step streams every weight once: in huge pages it does so without
+the page-table walks of 4 KiB pages (docs/benchmarks.md, "At real size"). ``NNEF_KV_HUGE_PAGES=0`` keeps
+the archive's own mapped arrays (nothing read at planning). The copies are shared by the plans of the
 same loaded arrays (a converted archive's session and its reference's in ``validate``, see
-:func:`_stacked`). A tied embedding stays one array in the archive; its LM head's copy is the one held,
-the gather reading a few rows of the mapping a step.
+:func:`_stacked`). A tied embedding stays one array in the archive; when its LM head is copied, the copy
+is what is held, the gather reading a few rows of the mapping a step.
 
 Measured (``python benchmarks/scale.py --rows products``, one thread, GB/s of weight read): BLAS on the
 transposed view 13.5-17.3 at one row, 5.3-5.6 at 2-4 rows; the numba kernel 20.8-30.8 and 16.2-21.7; at
