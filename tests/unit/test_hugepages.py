@@ -13,6 +13,7 @@ import pytest
 import nnef_kv
 from nnef_kv.interpreter.plan import weights as W
 from nnef_kv.interpreter.session import Session
+from nnef_kv.kernels import numba_available
 from nnef_kv.tensors import hugepages
 from nnef_kv.tensors.pages import _mapping_of
 
@@ -161,6 +162,7 @@ def _block_kernels(session: Session) -> list:
     return found
 
 
+@pytest.mark.skipif(not numba_available(), reason="without numba block weights are dequantized, not repacked")
 def test_repacked_q4_0_weights_are_held_in_huge_pages(monkeypatch) -> None:
     from nnef_kv.models import DecoderConfig, build_decoder
 
