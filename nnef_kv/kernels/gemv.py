@@ -4,10 +4,11 @@ A decode step multiplies one row by every weight of the model, so it streams the
 nothing else: a step runs at the memory bandwidth one core reaches on a dot product. OpenBLAS's gemv for
 ``x @ W.T`` (the layout torch and tract store a ``Linear`` weight in, read by BLAS as a transposed view)
 reaches about half of it here: ``python benchmarks/scale.py --rows products`` on this 2-core VM (AMD EPYC, one
-thread, weights cycled through 600 MB so every call reads memory): 1 x 576 x 1536 12.3 GB/s with BLAS,
-20.3 with :func:`rows_by_t`; 1 x 576 x 49152 (an LM head) 13.7 and 30.0; at 2 rows BLAS drops to 5-6 GB/s
-and this kernel stays near 19-28; at 8 rows the two meet (docs/benchmarks.md, "Where the code's thresholds
-come from"). Above :data:`MAX_ROWS` rows (a prefill) BLAS's blocked product is the faster one.
+thread, weights cycled through 600 MB so every call reads memory; 2026-12-06 18:08 UTC, load average 0.9):
+1 x 576 x 1536 12.4 GB/s with BLAS, 21.5 with :func:`rows_by_t`; 1 x 576 x 49152 (an LM head) 13.1 and
+29.2; at 2 rows BLAS drops to 5.5 GB/s and this kernel keeps 20.7; at 8 rows (BLAS 4.7) they meet: the
+kernel's one dot product an output and row is compute-bound there (docs/benchmarks.md, "Where the code's
+thresholds come from"). Above :data:`MAX_ROWS` rows (a prefill) BLAS's blocked product is the faster one.
 
 ``rows_by_t(a, w, out, lo, hi)`` writes ``out[:, lo:hi] = a @ w[lo:hi].T``: one dot product an output,
 ``sum_i w[o, i] * a[r, i]`` along a contiguous row of ``w``, in lanes (``reassoc``: the sum is vectorised,
