@@ -83,9 +83,17 @@ def _view(mm: mmap.mmap, at: int, shape: tuple[int, ...], dtype: np.dtype) -> np
 
 
 def empty(shape: tuple[int, ...], dtype: np.dtype | type) -> np.ndarray:
-    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` in huge-page memory (see the module)."""
+    """An uninitialised C-contiguous array of ``shape`` and ``dtype`` in huge-page memory (see the module); an
+    ordinary NumPy array where the system refuses the mapping (the same values, without the huge pages)."""
     dtype = np.dtype(dtype)
     shape = tuple(int(d) for d in shape)
+    try:
+        return _cut(shape, dtype)
+    except OSError:  # no anonymous mapping of that size here (address space, a sandbox): ordinary memory
+        return np.empty(shape, dtype)
+
+
+def _cut(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
     nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     need = max(ALIGN, -(-nbytes // ALIGN) * ALIGN)
     with _lock:

@@ -42,6 +42,16 @@ def test_arrays_are_aligned_and_cut_from_one_chunk() -> None:
     assert float(a.sum()) == 1050.0 and float(b.sum()) == 6.0  # no overlap
 
 
+def test_a_refused_mapping_gives_an_ordinary_array(monkeypatch) -> None:
+    def refuse(*a, **k):
+        raise OSError(12, "Cannot allocate memory")
+
+    monkeypatch.setattr(hugepages, "_chunk", refuse)  # mmap.mmap refusing the mapping
+    monkeypatch.setattr(hugepages, "_current", [None, 0, 0, 0])
+    a = hugepages.empty((5, 3), np.float32)
+    assert a.shape == (5, 3) and a.dtype == np.float32 and not hugepages.holds(a)
+
+
 def test_a_large_array_gets_its_own_huge_page_aligned_chunk_freed_with_it() -> None:
     big = hugepages.empty((hugepages.CHUNK // 4 + 10,), np.float32)
     assert big.ctypes.data % hugepages.HUGE == 0
