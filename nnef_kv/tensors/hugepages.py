@@ -26,6 +26,8 @@ import weakref
 
 import numpy as np
 
+from .pages import _mapping_of
+
 __all__ = ["empty", "enabled", "holds", "ENV", "HUGE", "CHUNK", "ALIGN"]
 
 #: the environment variable that turns the copies off ("0")
@@ -49,8 +51,6 @@ _ours: "weakref.WeakSet[mmap.mmap]" = weakref.WeakSet()
 
 def holds(array: object) -> bool:
     """Whether ``array`` (an array, a memoryview) lies in memory this module handed out."""
-    from .pages import _mapping_of
-
     mm = _mapping_of(array if isinstance(array, memoryview) else getattr(array, "base", None))
     return mm is not None and mm in _ours
 

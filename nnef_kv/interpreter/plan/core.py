@@ -334,13 +334,14 @@ def steps(d: Draft) -> None:
         node = item.node
         if item.state is None and item.kernel is None:
             raise GraphError(f"{node.location}: operation '{node.op}' has no kernel (node '{node.name}')")
-        if item.rewritten:
-            ins = item.ins
-            if item.kernel in (W._matmul_pretransposed, W._linear_pretransposed) and isinstance(ins[1], tuple) \
-                    and ins[1][0] == "const":  # make_step puts the constants in base in their order
-                d.weight_slots.append(len(d.base) + sum(isinstance(x, tuple) and x[0] == "const" for x in ins[:1]))
-            if (item.kernel is W._matmul_pretransposed or (item.kernel is W._linear_pretransposed and ins[2] is None)) \
-                    and isinstance(ins[0], int) and len(node.outputs) == 1 and isinstance(node.outputs[0], int):
+        ins = item.ins
+        if item.rewritten and item.kernel in (W._matmul_pretransposed, W._linear_pretransposed) \
+                and isinstance(ins[0], int):
+            # the weight, ("const", wt) after an input slot, is the step's first constant: make_step puts it at
+            # len(d.base)
+            d.weight_slots.append(len(d.base))
+            if (item.kernel is W._matmul_pretransposed or ins[2] is None) and len(node.outputs) == 1 \
+                    and isinstance(node.outputs[0], int):
                 d.projections.append((len(d.steps), ins[0], ins[1][1], node.outputs[0], len(d.base)))
         if isinstance(item.kernel, B.BlockLinear):
             d.block_products[id(node)] = item.kernel
