@@ -152,17 +152,16 @@ def _stacked(parts: list[np.ndarray]) -> np.ndarray:
     return wt
 
 
-def place_weights(base: list[Any], slots: list[int]) -> int:
+def place_weights(base: list[Any], slots: list[int]) -> None:
     """The prepared weights at ``base[slot]`` (``[in, out]`` views, see :func:`rewrite_weights`) of
     :data:`MIN_HUGE_BYTES` to :data:`MAX_HUGE_BYTES`, in huge pages (:mod:`nnef_kv.tensors.hugepages`): a decode
     step streams them at a higher rate there. A weight memory-mapped read-only from a model file is copied
     (shared with other plans of the same arrays, see :func:`_stacked`) and its file pages are given back; one
     already in huge pages (a ``.tgz`` member is inflated into them) stays; one in the process's own memory (a
-    model built or imported in Python) stays too: a copy would hold it twice. Returns the bytes copied. Nothing
-    when ``NNEF_KV_HUGE_PAGES=0``."""
+    model built or imported in Python) stays too: a copy would hold it twice. Nothing when
+    ``NNEF_KV_HUGE_PAGES=0``."""
     if not hugepages.enabled():
-        return 0
-    placed = 0
+        return
     for s in slots:
         wt = base[s]
         if not (isinstance(wt, np.ndarray) and wt.ndim == 2 and MIN_HUGE_BYTES <= wt.nbytes <= MAX_HUGE_BYTES
@@ -172,8 +171,6 @@ def place_weights(base: list[Any], slots: list[int]) -> int:
         if root.flags.writeable or hugepages.holds(root) or _mapping_of(root.base) is None:
             continue
         base[s] = _stacked([wt])
-        placed += wt.nbytes
-    return placed
 
 
 def fuse_projections(steps: list[Step], step_nodes: list[Node],
