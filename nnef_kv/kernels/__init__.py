@@ -18,6 +18,9 @@ Kernels:
 
 * :mod:`nnef_kv.kernels.blockquant`: Q4_0 / Q8_1 weight products kept as blocks (``repack``,
   ``matvec``, ``matmul``; ``y = x @ W.T`` with ``W`` ``[N, K]`` as stored by tract).
+* :mod:`nnef_kv.kernels.gemv`: products of a few rows by an f32 weight (a decode step's).
+* :mod:`nnef_kv.kernels.attend`: a decode step's exact f32 attention in one call.
+* :mod:`nnef_kv.kernels.rowwise`: RMS norm and rotate-half RoPE rows, bit for bit NumPy's.
 * :mod:`nnef_kv.kv.kivi.kernels`: the KIVI decode-step attention on packed codes
   (``key_scores``, ``value_sum``, ``decode_attention``, ``attend``).
 """
@@ -115,12 +118,15 @@ def numba_installed() -> bool:
 class Kernel:
     """A NumPy reference and a numba implementation of one operation, with the same signature.
 
-    ``jit_path`` is ``"module:function"``; the module is imported on first use."""
+    ``jit_path`` is ``"module:function"``; the module is imported on first use. ``core``: the name, in that
+    module, of the compiled core the numba function calls after its checks (see :meth:`hot`)."""
 
-    def __init__(self, reference: Callable[..., Any], jit_path: str) -> None:
+    def __init__(self, reference: Callable[..., Any], jit_path: str, core: str | None = None) -> None:
         self.reference = reference
         self.jit_path = jit_path
+        self.core_name = core
         self._jit: Callable[..., Any] | None = None
+        self._core: Callable[..., Any] | None = None
         self._called = False  # the first call of the numba side (in this process) is timed when it compiles
         #: why the numba side is not used any more in this process (it failed to import or compile), or None
         self.broken: str | None = None
@@ -137,6 +143,21 @@ class Kernel:
             mod, _, attr = self.jit_path.partition(":")
             self._jit = getattr(importlib.import_module(mod), attr)
         return self._jit
+
+    def hot(self) -> Any:
+        """What a caller making many small calls (a plan's decode step) runs this time: None when the numba side
+        is not used (numba absent or off, or it failed here: the caller runs its own NumPy form); the kernel
+        itself until its first call ran (that call compiles or loads numba's cache, and falls back to the
+        reference if it cannot); then the compiled core named ``core`` (no wrapper, no checks: the caller
+        checked the arguments, in the core's own signature)."""
+        if self.broken is not None or not numba_available():
+            return None
+        if not self._called:
+            return self
+        if self._core is None:
+            mod = self.jit_path.partition(":")[0]
+            self._core = getattr(importlib.import_module(mod), self.core_name or "")
+        return self._core
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if numba_available() and self.broken is None:
@@ -183,9 +204,9 @@ def _compile_failure(exc: BaseException) -> bool:
     return mod.startswith(("numba", "llvmlite"))
 
 
-def kernel(jit_path: str) -> Callable[[Callable[..., Any]], Kernel]:
+def kernel(jit_path: str, core: str | None = None) -> Callable[[Callable[..., Any]], Kernel]:
     """Decorator: the decorated NumPy function becomes the reference of a :class:`Kernel` whose numba
-    side is ``jit_path`` (``"module:function"``, same signature)."""
+    side is ``jit_path`` (``"module:function"``, same signature); ``core``: see :class:`Kernel`."""
     def wrap(reference: Callable[..., Any]) -> Kernel:
-        return Kernel(reference, jit_path)
+        return Kernel(reference, jit_path, core)
     return wrap

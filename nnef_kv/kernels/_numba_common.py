@@ -13,6 +13,8 @@
 * :func:`fetch_add`: atomically add 1 to ``a[0]`` (an int64 array) and return its previous value (an LLVM
   ``atomicrmw add``, sequentially consistent): threads running one nogil core claim work items from a
   shared counter without going back to Python (and the GIL) between items.
+* :func:`void_pointer`: an integer address as a ``void *``, for :func:`numba.carray` (a strided array's memory
+  seen as one contiguous run, so that loops over its rows vectorise: :mod:`nnef_kv.kernels.attend`).
 * :func:`exp_nonpositive`: ``exp(x)`` of a float32 ``x <= 0`` (a softmax numerator, the row max already
   subtracted), branch-free so that a loop over it vectorises: NumPy's ``exp`` is a call numba cannot
   make without the GIL, and LLVM's ``expf`` stays one scalar libm call an element. Within 1 ulp of
@@ -37,8 +39,8 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic, overload
 
-__all__ = ["bits_to_f32", "fetch_add", "exp_nonpositive", "h2f", "half_bits_to_f32", "widen", "wide_vectors",
-           "JIT", "JIT_REASSOC", "as_f32_or_u16", "HAVE_F16C", "WIDE"]
+__all__ = ["bits_to_f32", "fetch_add", "void_pointer", "exp_nonpositive", "h2f", "half_bits_to_f32", "widen",
+           "wide_vectors", "JIT", "JIT_REASSOC", "as_f32_or_u16", "HAVE_F16C", "WIDE"]
 
 #: options of every core: cached on disk, releases the GIL, IEEE arithmetic (no fastmath), NumPy's
 #: error model (x / 0 gives Inf/NaN as in NumPy instead of raising)
@@ -87,6 +89,17 @@ def fetch_add(typingctx, a):
         one = context.get_constant(types.int64, 1)
         return builder.atomic_rmw("add", arr.data, one, "seq_cst")
     return types.int64(a), codegen
+
+
+@intrinsic
+def void_pointer(typingctx, address):
+    """An integer address as a ``void *`` (for :func:`numba.carray`)."""
+    if not isinstance(address, types.Integer):
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.inttoptr(args[0], ir.IntType(8).as_pointer())
+    return types.voidptr(address), codegen
 
 
 # exp(x) = 2**n * exp(r), n = round(x / ln 2), r = x - n ln 2 in two parts (n * _LN2_HI is exact: _LN2_HI

@@ -1,0 +1,222 @@
+"""The decode-step kernels beside their NumPy references: the exact f32 attention of a few query rows
+(nnef_kv/kernels/attend.py: within its error bound of the float64 attention, as the reference is) and the RMS
+norm and rotate-half RoPE rows (nnef_kv/kernels/rowwise.py: NumPy's bits), with the numba side and the forced
+fallback; argument errors; what :meth:`Kernel.hot` hands a plan's step."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
+from nnef_kv.kernels import attend as at
+from nnef_kv.kernels import rowwise as rw
+
+try:
+    import numba  # noqa: F401
+except Exception:
+    HAVE_NUMBA = False
+else:
+    HAVE_NUMBA = True
+requires_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
+HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+
+
+@pytest.fixture(params=["numba", "fallback"])
+def mode(request, monkeypatch):
+    if request.param == "numba":
+        if not HAVE_NUMBA:
+            pytest.skip("numba is not installed")
+        monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+        assert numba_available()
+    else:
+        monkeypatch.setenv(NO_NUMBA_ENV, "1")
+        assert not numba_available()
+    return request.param
+
+
+# ====================================================================================== attention
+def _within_bound(out, q, k, v, mask, g, scale):
+    ex = at.exact(q, k, v, mask, g, scale)
+    bound = at.error_bound(q, k, v, mask, g, scale)
+    fin = np.isfinite(ex)
+    assert np.all(np.abs(out - ex)[fin] <= bound[fin]), np.max((np.abs(out - ex) / bound)[fin])
+    return ex
+
+
+MASKS = st.sampled_from(["none", "row", "full", "head", "causal-ish"])
+
+
+@HYP
+@given(b=st.integers(1, 2), hkv=st.integers(1, 3), g=st.integers(1, 4), m=st.integers(1, at.MAX_ROWS),
+       t=st.sampled_from([1, 2, 7, 16, 33, 70, 300]), d=st.sampled_from([1, 8, 17, 64]), dv=st.sampled_from([0, 5]),
+       mask=MASKS, scaled=st.booleans(), strided=st.booleans(), big=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_attend_rows_is_within_its_bound_of_the_exact_attention(mode, b, hkv, g, m, t, d, dv, mask, scaled, strided,
+                                                                big, seed):
+    """Either side, within :func:`error_bound` of the float64 attention; K/V read in place from a larger cache
+    buffer (the plan's growing caches), masks of every broadcast shape with -inf entries, large scores."""
+    rng = np.random.default_rng(seed)
+    dv = dv or d
+    q = rng.standard_normal((b, hkv * g, m, d)).astype(np.float32) * (30 if big else 1)
+    kb = rng.standard_normal((b, hkv, t + (5 if strided else 0), d)).astype(np.float32)
+    vb = rng.standard_normal((b, hkv, t + (5 if strided else 0), dv)).astype(np.float32)
+    k, v = kb[:, :, :t], vb[:, :, :t]
+    shape = {"none": None, "row": (1, 1, 1, t), "full": (b, hkv * g, m, t), "head": (1, hkv * g, 1, t),
+             "causal-ish": (1, 1, m, t)}[mask]
+    mk = None
+    if shape is not None:
+        mk = np.where(rng.random(shape) < 0.3, -np.inf, rng.standard_normal(shape)).astype(np.float32)
+        mk[..., 0] = 0.0  # every row keeps a key
+    scale = np.float32(1 / np.sqrt(d)) if scaled else None
+    out = np.full((b, hkv * g, m, dv), 7.0, np.float32)
+    at.attend_rows(q, k, v, mk, g, scale, out)
+    ex = _within_bound(out, q, k, v, mk, g, scale)
+    assert np.all(np.isfinite(ex))
+    ref = np.empty_like(out)
+    at.attend_rows.reference(q, k, v, mk, g, scale, ref)
+    _within_bound(ref, q, k, v, mk, g, scale)
+
+
+@pytest.mark.parametrize("case", ["masked-row", "nan-query", "inf-key", "nan-value"])
+def test_attend_rows_non_finite_rows_match_the_reference(mode, case):
+    """A fully masked row, a NaN query, an infinite key, a NaN value: the NaN pattern of the NumPy calls."""
+    rng = np.random.default_rng(3)
+    q = rng.standard_normal((1, 4, 2, 8)).astype(np.float32)
+    k = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    v = rng.standard_normal((1, 2, 6, 8)).astype(np.float32)
+    mk = np.zeros((1, 1, 2, 6), np.float32)
+    if case == "masked-row":
+        mk[0, 0, 1] = -np.inf
+    elif case == "nan-query":
+        q[0, 1, 0, 3] = np.nan
+    elif case == "inf-key":
+        k[0, 1, 2, 0] = np.inf
+    else:
+        v[0, 0, 4, 5] = np.nan
+    out, ref = np.empty((1, 4, 2, 8), np.float32), np.empty((1, 4, 2, 8), np.float32)
+    at.attend_rows(q, k, v, mk, 2, np.float32(0.5), out)
+    at.attend_rows.reference(q, k, v, mk, 2, np.float32(0.5), ref)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+    assert np.isnan(ref).any()
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(out[fin], ref[fin], rtol=1e-5, atol=1e-6)
+
+
+def test_attend_rows_argument_errors(mode):
+    q = np.zeros((1, 4, 1, 8), np.float32)
+    k = np.zeros((1, 2, 5, 8), np.float32)
+    out = np.zeros((1, 4, 1, 8), np.float32)
+    with pytest.raises(ValueError, match="query heads a kv head"):
+        at.attend_rows(q, k, k, None, 3, None, out)
+    with pytest.raises(ValueError, match="4-D float32"):
+        at.attend_rows(q.astype(np.float64), k, k, None, 2, None, out)
+    with pytest.raises(ValueError, match="out must be"):
+        at.attend_rows(q, k, k, None, 2, None, out[:, :2])
+    with pytest.raises(ValueError, match="does not broadcast"):
+        at.attend_rows(q, k, k, np.zeros((1, 1, 1, 4), np.float32), 2, None, out)
+    with pytest.raises(ValueError, match="scale"):
+        at.attend_rows(q, k, k, None, 2, 0.5, out)
+
+
+@requires_numba
+def test_attend_rows_copies_a_cache_with_a_strided_last_axis(monkeypatch):
+    monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+    rng = np.random.default_rng(5)
+    q = rng.standard_normal((1, 2, 1, 8)).astype(np.float32)
+    kv = rng.standard_normal((1, 2, 9, 16)).astype(np.float32)[..., ::2]  # last axis of stride 2
+    out = np.empty((1, 2, 1, 8), np.float32)
+    at.attend_rows.jit(q, kv, kv, None, 1, None, out)
+    _within_bound(out, q, kv, kv, None, 1, None)
+
+
+def test_hot_hands_out_none_the_kernel_then_its_core(monkeypatch):
+    monkeypatch.setenv(NO_NUMBA_ENV, "1")
+    assert at.attend_rows.hot() is None and rw.rms_rows.hot() is None
+    if not HAVE_NUMBA:
+        return
+    monkeypatch.delenv(NO_NUMBA_ENV)
+    x = np.ones((1, 8), np.float32)
+    if not rw.rms_rows._called:
+        assert rw.rms_rows.hot() is rw.rms_rows
+        rw.rms_rows(x, np.float32(1e-6), None, np.empty_like(x))
+    core = rw.rms_rows.hot()
+    from nnef_kv.kernels import _rowwise_jit
+
+    assert core is _rowwise_jit.rms_core
+
+
+# ====================================================================================== rowwise
+# lengths around NumPy's pairwise-sum boundaries: < 8, blocks of 8, 128, halves rounded to multiples of 8
+LENGTHS = [1, 2, 7, 8, 9, 15, 16, 17, 63, 64, 127, 128, 129, 130, 136, 255, 256, 257, 264, 576, 960, 1000, 2048,
+           2049, 4097]
+
+
+@pytest.mark.parametrize("n", LENGTHS)
+def test_rms_rows_gives_numpys_bits(mode, n):
+    rng = np.random.default_rng(n)
+    for rows in (1, 3):
+        for scale in (1.0, 1e-3, 1e3, 1e19, 1e-30):
+            x = (rng.standard_normal((rows, n)) * scale).astype(np.float32)
+            w = rng.standard_normal(n).astype(np.float32)
+            for weight, eps in ((w, np.float32(1e-5)), (None, np.float32(1e-6)), (w, np.float32(0))):
+                got, ref = np.empty_like(x), np.empty_like(x)
+                with np.errstate(all="ignore"):
+                    rw.rms_rows(x, eps, weight, got)
+                    rw.rms_rows.reference(x, eps, weight, ref)
+                np.testing.assert_array_equal(got, ref, err_msg=f"n={n} rows={rows} scale={scale}")
+
+
+@requires_numba
+@HYP
+@given(n=st.sampled_from(LENGTHS), special=st.lists(st.tuples(st.integers(0, 10**6),
+                                                              st.sampled_from([np.nan, np.inf, -np.inf, 0.0, 3e38])),
+                                                    max_size=3), seed=st.integers(0, 2**31 - 1))
+def test_rms_rows_special_values(n, special, seed):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((2, n)).astype(np.float32)
+    for i, val in special:
+        x.reshape(-1)[i % x.size] = val
+    got, ref = np.empty_like(x), np.empty_like(x)
+    with np.errstate(all="ignore"):
+        rw.rms_rows.jit(x, np.float32(1e-6), None, got)
+        rw.rms_rows.reference(x, np.float32(1e-6), None, ref)
+    np.testing.assert_array_equal(got, ref)
+
+
+@HYP
+@given(shape=st.sampled_from([(1, 9, 1, 64), (2, 3, 5, 8), (1, 4, 7, 2), (1, 2, 3, 130)]),
+       cs=st.sampled_from(["row", "full", "one", "heads"]), transposed=st.booleans(),
+       special=st.lists(st.sampled_from([np.nan, np.inf, -np.inf, 3e38]), max_size=2), seed=st.integers(0, 2**31 - 1))
+def test_rope_half_gives_numpys_bits(mode, shape, cs, transposed, special, seed):
+    """Broadcast cos/sin, a transposed view as input (what a ``[B, S, H, D] -> [B, H, S, D]`` transpose gives),
+    large and non-finite values: the NumPy calls' bits."""
+    rng = np.random.default_rng(seed)
+    b, h, s, d = shape
+    x = (rng.standard_normal((b, s, h, d)) * 100).astype(np.float32).transpose(0, 2, 1, 3) if transposed else \
+        (rng.standard_normal(shape) * 100).astype(np.float32)
+    for i, val in enumerate(special):
+        x[0, 0, 0, i] = val
+    cshape = {"row": (1, 1, s, d), "full": shape, "one": (1, 1, 1, 1), "heads": (1, h, 1, d)}[cs]
+    cos = rng.standard_normal(cshape).astype(np.float32)
+    sin = rng.standard_normal(cshape).astype(np.float32)
+    got, ref = np.empty_like(x), np.empty_like(x)
+    with np.errstate(all="ignore"):
+        rw.rope_half(x, cos, sin, got)
+        rw.rope_half.reference(x, cos, sin, ref)
+    np.testing.assert_array_equal(got, ref)
+
+
+def test_rowwise_argument_errors(mode):
+    x = np.zeros((2, 8), np.float32)
+    with pytest.raises(ValueError, match="rms_rows: x"):
+        rw.rms_rows(x[None], np.float32(0), None, x)
+    with pytest.raises(ValueError, match="eps"):
+        rw.rms_rows(x, 1e-6, None, x)
+    with pytest.raises(ValueError, match="weight"):
+        rw.rms_rows(x, np.float32(0), np.ones(7, np.float32), x)
+    y = np.zeros((1, 2, 3, 4), np.float32)
+    with pytest.raises(ValueError, match="does not broadcast"):
+        rw.rope_half(y, np.zeros((1, 1, 2, 4), np.float32), y, y)
+    with pytest.raises(ValueError, match="even last axis"):
+        rw.rope_half(y[..., :3], y[..., :3], y[..., :3], np.zeros((1, 2, 3, 3), np.float32))
