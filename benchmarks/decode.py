@@ -307,8 +307,9 @@ def lockstep(folder: Path, prompt: np.ndarray, steps: int, blas_threads: int, ro
     return {"totals": totals, "ratios": ratios, "same": same, "tokens": rounds * (steps - 1)}
 
 
-def _session(folder: Path, plain: bool = False) -> Any:
-    """An nnef-kv session; ``plain``: its plan built without op fusion and kernel specialisation."""
+def _session(folder: Path, plain: bool = False, threads: int | None = None) -> Any:
+    """An nnef-kv session (``threads``: the session's, None its default); ``plain``: its plan built without op
+    fusion and kernel specialisation."""
     import nnef_kv
     from nnef_kv.interpreter.plan import build_plan
     from nnef_kv.interpreter.session import Session, get_plan
@@ -317,7 +318,7 @@ def _session(folder: Path, plain: bool = False) -> Any:
     if plain:
         plan = build_plan(get_plan(model).graph, fuse_ops=False, specialize_kernels=False)
         object.__setattr__(model, "_nnef_kv_plan", (model.document, plan))
-    return Session(model)
+    return Session(model, threads=threads)
 
 
 def profile(c: Config, args: argparse.Namespace) -> None:
@@ -405,6 +406,51 @@ def plan_pair(c: Config, args: argparse.Namespace) -> None:
           f"{totals['plain'] / (max(args.lockstep, 1) * (args.steps - 1)) * 1e3:.3f} ms/token, planned "
           f"{totals['planned'] / (max(args.lockstep, 1) * (args.steps - 1)) * 1e3:.3f} ms/token: "
           f"{totals['plain'] / totals['planned']:.3f}x (same tokens)")
+
+
+def kernel_pair(c: Config, args: argparse.Namespace) -> None:
+    """The decode-step kernels' gain, paired: one session decoding greedily, its one-token calls alternately
+    with the attention, RMS norm and RoPE kernels (nnef_kv/kernels/attend.py, rowwise.py) and with the NumPy
+    calls they stand for (the order swapped every pair), at one and at two threads; medians of the calls."""
+    import os
+
+    from threadpoolctl import threadpool_limits
+
+    from nnef_kv.interpreter.plan import attention as plan_attention
+    from nnef_kv.kernels import numba_available, rowwise
+
+    if not numba_available():
+        print("numba is not there (or NNEF_KV_NO_NUMBA=1): nothing to compare")
+        return
+
+    def kernels(on: bool) -> None:
+        plan_attention.DECODE_KERNEL[0] = on
+        for k in (rowwise.rms_rows, rowwise.rope_half):
+            if on:
+                k.__dict__.pop("hot", None)
+            else:
+                k.hot = lambda: None  # type: ignore[method-assign]
+
+    with tempfile.TemporaryDirectory(prefix="nnef-kv-bench-") as tmp, threadpool_limits(limits=1, user_api="blas"):
+        folder = _folder(c, args, tmp)
+        prompt = _prompt(c, args, folder)
+        print(f"\n== decode kernels' gain, paired: {_model_text(c, args)}; load average "
+              f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        for threads in (1, 2):
+            calls = _NnefKvCalls(_session(folder, threads=threads))
+            times: dict[bool, list[float]] = {True: [], False: []}
+            for _ in range(max(args.lockstep, 1)):
+                logits = calls.first(prompt)
+                for i in range(args.steps - 1):
+                    for on in ((True, False) if i % 2 else (False, True)):
+                        kernels(on)
+                        t0 = time.perf_counter()
+                        logits = calls.step(int(np.argmax(logits.reshape(-1, logits.shape[-1])[-1])))
+                        times[on].append(time.perf_counter() - t0)
+            kernels(True)
+            on, off = (float(np.median(times[k])) * 1e3 for k in (True, False))
+            print(f"threads={threads}: kernels {on:.2f} ms/token, NumPy calls {off:.2f} ms/token: {off / on:.3f}x "
+                  f"({len(times[True])} calls each)")
 
 
 def _memory() -> dict[str, int]:
@@ -612,6 +658,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plain", action="store_true", help="with --profile: the plan without fusion/specialisation")
     ap.add_argument("--plan-gain", action="store_true",
                     help="only measure the planner's gain: planned vs plain plan decoding side by side")
+    ap.add_argument("--kernel-gain", action="store_true",
+                    help="only measure the decode-step kernels' gain (attention, RMS norm, RoPE): calls alternately "
+                         "with and without them, at one and two threads")
     args = ap.parse_args(argv)
     if args._rss_child:
         _rss_child(args._rss_child[0], args._rss_child[1], [int(t) for t in args._rss_child[2].split(",")],
@@ -635,8 +684,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {forced} is set: OpenBLAS runs that kernel (slower on a recent CPU); for the benchmark "
               f"command only: env -u OPENBLAS_CORETYPE -u OPENBLAS_L2_SIZE python benchmarks/decode.py")
     config = Config(args.layers, args.hidden, args.heads, args.kv_heads, args.ffn, args.vocab, form=args.form)
-    if args.profile or args.plan_gain:
-        (profile if args.profile else plan_pair)(config, args)
+    if args.profile or args.plan_gain or args.kernel_gain:
+        (profile if args.profile else plan_pair if args.plan_gain else kernel_pair)(config, args)
         return 0
     bench(config, args)
     if args.gqa_kv_heads and args.gqa_kv_heads != args.kv_heads and not args.archive:

@@ -5,7 +5,12 @@ Every comparison is the optimised plan against one built with ``fuse_ops=False, 
 (no chains, no memos, no cache append, no fuse.py pairs, no specialisation), decoding a prompt and one-token
 steps with the explicit caches fed back, outputs compared with ``assert_array_equal`` (NaN equal to NaN):
 on every torch-to-nnef export of the shared fixtures, on the built-in decoder in its forms, and on the
-built-in decoder with NaN / Inf / huge values placed in its caches and embeddings (hypothesis)."""
+built-in decoder with NaN / Inf / huge values placed in its caches and embeddings (hypothesis).
+
+The RMS norm and RoPE kernels (nnef_kv/kernels/rowwise.py) run in these comparisons as they run by default:
+they give NumPy's bits. The decode-step attention kernel (nnef_kv/kernels/attend.py) sums in another order:
+these comparisons turn it off (``attention.DECODE_KERNEL``); :func:`test_the_attention_kernel_in_real_decodes`
+checks each of its calls in the same decodes against the exact attention, within its error bound."""
 from __future__ import annotations
 
 import threading
@@ -18,16 +23,26 @@ from hypothesis import strategies as st
 
 import nnef_kv
 from conftest import FIXTURES
+from nnef_kv.interpreter.plan import attention as plan_attention
 from nnef_kv.interpreter.plan import build_plan, get_plan
 from nnef_kv.interpreter.plan.cache_append import grow_concat
 from nnef_kv.interpreter.plan.chains import chain_members
 from nnef_kv.interpreter.session import Session
+from nnef_kv.kernels import attend, numba_available
 from nnef_kv.models import DecoderConfig, build_decoder, build_decoder_weights
 from nnef_kv.validate.decode import detect_signature
 
 EXPORTS = sorted(p for p in (FIXTURES / "exports").glob("*/model.nnef.tgz") if p.parent.name != "llama_sdpa") \
     if (FIXTURES / "exports").is_dir() else []
 EXPORTS += [p for p in (FIXTURES / "llama_gqa" / "model.nnef.tgz", FIXTURES / "gpt2" / "model.nnef.tgz") if p.is_file()]
+
+
+@pytest.fixture(autouse=True)
+def _numpy_attention():
+    """The fused attention makes the unfused chain's NumPy calls (bit for bit), not the decode kernel's."""
+    plan_attention.DECODE_KERNEL[0] = False
+    yield
+    plan_attention.DECODE_KERNEL[0] = True
 
 
 def _pair(model_fast, model_plain):
@@ -282,3 +297,48 @@ def test_concat_order_is_the_layout_numpy_gives_concatenate(data, nd: int, count
         strides[ax] = step
         step *= got.shape[ax]
     assert tuple(strides) == got.strides
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed (or NNEF_KV_NO_NUMBA=1)")
+@pytest.mark.parametrize("path", EXPORTS + ["built-in"], ids=lambda p: p if isinstance(p, str) else p.parent.name)
+def test_the_attention_kernel_in_real_decodes(path, monkeypatch) -> None:
+    """With the decode-step attention kernel on (the default), every call it makes while an export (or the
+    built-in GQA decoder) decodes is within the kernel's error bound of the exact attention of the same inputs,
+    and decode steps do take it."""
+    plan_attention.DECODE_KERNEL[0] = True
+    x = np.zeros((1, 1, 1, 4), np.float32)
+    attend.attend_rows(x, x, x, None, 1, None, np.empty_like(x))  # the plan then takes the compiled core
+    calls: list[int] = []
+    real_hot = attend.attend_rows.hot
+
+    def checking_hot():
+        fn = real_hot()
+        assert fn is not None and fn is not attend.attend_rows
+
+        def run(q, k, v, mask, g, scale, scaled, out):
+            fn(q, k, v, mask, g, scale, scaled, out)
+            mask = None if mask.size == 0 else mask  # the core's NO_MASK
+            scale = scale if scaled else None
+            ex = attend.exact(q, k, v, mask, g, scale)
+            bound = attend.error_bound(q, k, v, mask, g, scale)
+            fin = np.isfinite(ex)
+            assert np.all(np.abs(out - ex)[fin] <= bound[fin])
+            assert np.array_equal(np.isnan(out), np.isnan(ex))
+            calls.append(q.shape[2])
+        return run
+
+    monkeypatch.setattr(attend.attend_rows, "hot", checking_hot)
+    if path == "built-in":
+        s = Session(build_decoder(DecoderConfig(cache="explicit", vocab=64, hidden=64, heads=4, kv_heads=2,
+                                                head_dim=16, mlp=96)))
+    else:
+        s = Session(nnef_kv.load(path))
+    sig = detect_signature(s.plan)
+    caches = sig.empty_caches() if sig.explicit else {}
+    for ids in (np.arange(6)[None], np.array([[3]]), np.array([[4]]), np.array([[1]])):
+        out = s.run({sig.ids_input: ids.astype(np.int64), **caches})
+        if sig.explicit:
+            caches = {i: out[o] for i, o in sig.cache_outputs.items()}
+    att = sum(1 for n in s.plan.step_nodes if n.op == "attention")
+    if att:
+        assert calls.count(1) >= 3 * att, (att, calls)  # every decode step's attention took the kernel

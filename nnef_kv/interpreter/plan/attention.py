@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ...kernels import attend
 from ...kv import blocked
 from ..catalog import ops_having
 from ..graph import Node
@@ -18,7 +19,14 @@ from .kv_caches import repeat_nodes
 from .recognize import attention_core
 from .view import View
 
-__all__ = ["match_attention", "match_views"]
+__all__ = ["match_attention", "match_views", "DECODE_KERNEL"]
+
+#: ``[True]``: a call of at most :data:`nnef_kv.kernels.attend.MAX_ROWS` query rows (a decode step) runs on the
+#: numba kernel :func:`nnef_kv.kernels.attend.attend_rows` when numba is there: the same arithmetic in one call
+#: instead of a dozen NumPy calls, its sums in another order (within the kernel's error bound, not the unfused
+#: plan's bits). ``[False]``: every call runs the NumPy calls the unfused chain makes (the bit-for-bit
+#: comparisons of fused and unfused plans in tests/unit/test_patterns.py set it).
+DECODE_KERNEL = [True]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -66,6 +74,36 @@ def _repeats(kv: np.ndarray, tile: Node, reshapes: list[Node], v: list) -> int |
     for r in reshapes:
         dims = reshaped(dims, r, v) if dims is not None else None
     return g if dims == [b, h * g, t, d] else None
+
+
+class _RepeatCheck:
+    """:func:`_repeats` of one repeat chain, with a shortcut for the form exporters write: static repeats
+    ``[1, 1, g, 1, 1]`` and one reshape of the whole shape (``axis_start 0``, ``axis_count -1``) whose target
+    (a run-time attribute: it holds the cache length) evaluates to four positive integers: then the chain
+    repeats in place exactly when that target is ``[B, Hkv * g, T, D]`` (one attribute evaluation a step instead
+    of the general reshape rule's). Anything else takes :func:`_repeats`."""
+
+    def __init__(self, tile: Node, reshapes: list[Node]) -> None:
+        self.tile, self.reshapes = tile, reshapes
+        reps = tile.attrs.get("repeats")
+        self.g = 0
+        if len(reshapes) == 1 and isinstance(reps, list) and len(reps) == 5 and all(type(r) is int for r in reps) \
+                and reps[:2] == [1, 1] and reps[3:] == [1, 1] and reps[2] >= 1 \
+                and reshapes[0].attrs.get("axis_start", 0) == 0 and reshapes[0].attrs.get("axis_count", -1) == -1:
+            self.g = reps[2]
+            self.shape = attr_fn(reshapes[0], "shape", ())
+
+    def __call__(self, kv: np.ndarray, v: list) -> int | None:
+        if self.g:
+            try:
+                target = self.shape(v)
+                if len(target) == 4 and all(type(x) is int and x > 0 for x in target):
+                    b, h, t, d = kv.shape
+                    return self.g if target == [b, h * self.g, t, d] or tuple(target) == (b, h * self.g, t, d) \
+                        else None
+            except TypeError:
+                pass
+        return _repeats(kv, self.tile, self.reshapes, v)
 
 
 def _rows_contiguous(x: np.ndarray) -> np.ndarray:
@@ -188,9 +226,12 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     ax = axes[0]
     members = sorted(w_.members | {k})
     inputs = [q_slot, kk, vv] + ([mask] if mask is not None else [])
+    sc = np.float32(scale.reshape(())) if scalarish(scale, 4) else np.float32(1)
+    kcheck = _RepeatCheck(krep[2], krep[3]) if krep else None
+    vcheck = _RepeatCheck(vrep[2], vrep[3]) if vrep else None
 
     def fast(v: list, q_=q_slot, k_=kk, v_=vv, mask=mask, mpos=mpos, scale=scale, spos=spos, ax=ax,
-             krep=krep, vrep=vrep) -> Any:
+             krep=krep, vrep=vrep, sc=sc, kcheck=kcheck, vcheck=vcheck) -> Any:
         q, kv, vv_ = v[q_], v[k_], v[v_]
         if krep is not None and krep[1]:  # the chains read the unsqueezed [B, Hkv, 1, T, D] values
             if not (type(kv) is np.ndarray and kv.ndim == 5 and kv.shape[2] == 1 and type(vv_) is np.ndarray
@@ -206,20 +247,29 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
         b, hq, sq, d = q.shape
         b2, hkv, t, d2 = kv.shape
         if krep is not None:
-            g = _repeats(kv, krep[2], krep[3], v)
-            if g is None or _repeats(vv_, vrep[2], vrep[3], v) != g:
+            g = kcheck(kv, v)
+            if g is None or vcheck(vv_, v) != g:
                 return NotImplemented
         else:
             g = 1
         if (b2, d2) != (b, d) or vv_.shape[:3] != (b, hkv, t) or hkv * g != hq:
             return NotImplemented
-        if krep is not None:  # the unfused products read the tile's copies: [T, D] rows, contiguous
-            kv, vv_ = _rows_contiguous(kv), _rows_contiguous(vv_)
         mv = None
         if mask is not None:
             mv = v[mask]
             if not (is_f32(mv) and mv.ndim == 4 and all(x == y or x == 1 for x, y in zip(mv.shape, (b, hq, sq, t)))):
                 return NotImplemented
+        if sq <= attend.MAX_ROWS and 0 < t <= attend.MAX_KEYS and attend.readable(kv) and attend.readable(vv_):
+            core = attend.attend_rows.hot() if DECODE_KERNEL[0] else None
+            if core is not None:
+                out = np.empty((b, hq, sq, vv_.shape[3]), np.float32)
+                if core is attend.attend_rows:
+                    core(q, kv, vv_, mv, g, None if scale is None else sc, out)
+                else:
+                    core(q, kv, vv_, attend.NO_MASK if mv is None else mv, g, sc, scale is not None, out)
+                return out
+        if krep is not None:  # the unfused products read the tile's copies: [T, D] rows, contiguous
+            kv, vv_ = _rows_contiguous(kv), _rows_contiguous(vv_)
         bq = blocked.row_block(b * hq * t * 4, sq)
         smax = None
         if mv is not None and mv.shape[2] == sq and mv.shape[3] == t and sq >= 2 * blocked.CAUSAL_ROWS and 2 * sq > t:

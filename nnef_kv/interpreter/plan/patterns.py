@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from ...kernels import rowwise
 from ..catalog import ops_having
 from ..graph import Graph, Node, slots_of
 from ..ops.nnef_std import _slice_bounds as _bounds
@@ -87,13 +88,26 @@ def match_rms_norm(flow: Flow, k: int, taken: set[int]) -> Match | None:
         found = (w_, core, None, 0)
     w_, (x, ax, eps, epos, xpos), weight, wpos = found
     members = sorted(w_.members | {k})
+    eps32 = np.float32(eps.reshape(())) if isinstance(eps, np.ndarray) and eps.size == 1 else None
+    wvec = rowwise.NO_WEIGHT if weight is None else _weight_row(weight)
 
-    def fast(v: list, x=x, ax=ax, eps=eps, epos=epos, xpos=xpos, weight=weight, wpos=wpos) -> Any:
+    def fast(v: list, x=x, ax=ax, eps=eps, epos=epos, xpos=xpos, weight=weight, wpos=wpos, eps32=eps32,
+             wvec=wvec) -> Any:
         xv = v[x]
         if not is_f32(xv) or not xv.ndim or ax not in (-1, xv.ndim - 1) or not scalarish(eps, xv.ndim):
             return NotImplemented
         if weight is not None and not same_rank_broadcast(xv, weight):
             return NotImplemented
+        n = xv.shape[-1]
+        if wvec is not None and wvec.size in (0, n) and n and xv.flags.c_contiguous:
+            core = rowwise.rms_rows.hot()
+            if core is not None:  # the kernel: the same operations in one call (see nnef_kv.kernels.rowwise)
+                y = np.empty_like(xv)
+                if core is rowwise.rms_rows:
+                    core(xv.reshape(-1, n), eps32, wvec if wvec.size else None, y.reshape(-1, n))
+                else:
+                    core(xv.reshape(-1, n), eps32, wvec, y.reshape(-1, n))
+                return y
         m = np.add.reduce(np.multiply(xv, xv), axis=-1, keepdims=True)
         n = np.intp(xv.shape[-1])
         if m.size == 1 and n:  # one vector (a decode step): the same roundings on NumPy scalars
@@ -115,6 +129,13 @@ def match_rms_norm(flow: Flow, k: int, taken: set[int]) -> Match | None:
         return _times_weight(np.multiply(xv, m) if xpos == 0 else np.multiply(m, xv), weight, wpos)
 
     return Match("rms_norm", members, [x], fast, root.outputs[0])
+
+
+def _weight_row(weight: np.ndarray) -> np.ndarray | None:
+    """An f32 norm weight of shape ``[1, ..., 1, N]`` as its ``[N]`` row (what the kernel takes), else None."""
+    if weight.dtype != _F32 or not weight.ndim or any(d != 1 for d in weight.shape[:-1]):
+        return None
+    return np.ascontiguousarray(weight.reshape(-1))
 
 
 def _times_weight(y: np.ndarray, weight: Any, wpos: int) -> np.ndarray:
@@ -211,6 +232,12 @@ def match_rope(flow: Flow, k: int, taken: set[int]) -> Match | None:
             return NotImplemented
         if bounds(v, xv) != ((xv.ndim - 1, 0, h), (xv.ndim - 1, h, d)):
             return NotImplemented
+        if xv.ndim == 4:
+            core = rowwise.rope_half.hot()
+            if core is not None:  # the kernel: the same operations in one call (see nnef_kv.kernels.rowwise)
+                out = np.empty_like(xv)  # the layout NumPy's calls give (the input's order)
+                core(xv, cv, sv, out)
+                return out
         c = np.multiply(xv, cv) if cpos == 0 else np.multiply(cv, xv)
         r = np.empty_like(xv)
         np.negative(xv[..., h:], out=r[..., :h])
