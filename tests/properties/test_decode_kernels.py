@@ -220,3 +220,19 @@ def test_rowwise_argument_errors(mode):
         rw.rope_half(y, np.zeros((1, 1, 2, 4), np.float32), y, y)
     with pytest.raises(ValueError, match="even last axis"):
         rw.rope_half(y[..., :3], y[..., :3], y[..., :3], np.zeros((1, 2, 3, 3), np.float32))
+
+
+def test_a_check_runs_no_decode_kernel_and_maps_no_numba():
+    """``inspect``'s check (a plan with unprepared weights) runs a one-token call through the fused attention,
+    RMS norm and RoPE: it takes their NumPy forms, so checking a model does not import numba (and LLVM)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = ("import sys; from nnef_kv.models import DecoderConfig, build_decoder; "
+            "from nnef_kv.interpreter.check import check_model; "
+            "m = build_decoder(DecoderConfig(cache='explicit', vocab=32, hidden=32, heads=4, kv_heads=2, head_dim=8, "
+            "mlp=64)); r = check_model(m); print(r.ok if hasattr(r, 'ok') else True, 'numba' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=Path(__file__).resolve().parents[2], capture_output=True,
+                         text=True, check=True)
+    assert out.stdout.split()[-1] == "False", out.stdout

@@ -59,6 +59,7 @@ def mode(request, monkeypatch):
 # ===================================================================================== dispatch
 def test_import_of_nnef_kv_and_the_kernel_modules_does_not_import_numba():
     code = ("import sys, nnef_kv, nnef_kv.kernels, nnef_kv.kernels.blockquant, nnef_kv.kernels.gemv, "
+            "nnef_kv.kernels.attend, nnef_kv.kernels.rowwise, nnef_kv.interpreter.plan.patterns, "
             "nnef_kv.kv.kivi.kernels, "
             "nnef_kv.interpreter, nnef_kv.kv; print('numba' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)

@@ -227,11 +227,12 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     members = sorted(w_.members | {k})
     inputs = [q_slot, kk, vv] + ([mask] if mask is not None else [])
     sc = np.float32(scale.reshape(())) if scalarish(scale, 4) else np.float32(1)
+    kernel = flow.kernels
     kcheck = _RepeatCheck(krep[2], krep[3]) if krep else None
     vcheck = _RepeatCheck(vrep[2], vrep[3]) if vrep else None
 
     def fast(v: list, q_=q_slot, k_=kk, v_=vv, mask=mask, mpos=mpos, scale=scale, spos=spos, ax=ax,
-             krep=krep, vrep=vrep, sc=sc, kcheck=kcheck, vcheck=vcheck) -> Any:
+             krep=krep, vrep=vrep, sc=sc, kcheck=kcheck, vcheck=vcheck, kernel=kernel) -> Any:
         q, kv, vv_ = v[q_], v[k_], v[v_]
         if krep is not None and krep[1]:  # the chains read the unsqueezed [B, Hkv, 1, T, D] values
             if not (type(kv) is np.ndarray and kv.ndim == 5 and kv.shape[2] == 1 and type(vv_) is np.ndarray
@@ -260,7 +261,7 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
             if not (is_f32(mv) and mv.ndim == 4 and all(x == y or x == 1 for x, y in zip(mv.shape, (b, hq, sq, t)))):
                 return NotImplemented
         if sq <= attend.MAX_ROWS and 0 < t <= attend.MAX_KEYS and attend.readable(kv) and attend.readable(vv_):
-            core = attend.attend_rows.hot() if DECODE_KERNEL[0] else None
+            core = attend.attend_rows.hot() if DECODE_KERNEL[0] and kernel else None
             if core is not None:
                 out = np.empty((b, hq, sq, vv_.shape[3]), np.float32)
                 if core is attend.attend_rows:

@@ -62,6 +62,9 @@ class Flow:
                     self.producer[s] = k
         self.pinned = {s for _, s in graph.outputs} | set(graph.symbols.values())
         self.inputs = {i.slot for i in graph.inputs}
+        #: the fused forms may run the numba decode kernels (:mod:`nnef_kv.kernels.attend`, ``rowwise``); a
+        #: check's plan (``inspect``: weights unprepared) does not, so that checking maps no numba
+        self.kernels = True
 
     def const(self, slot: Any) -> Any:
         """The constant in ``slot`` (an array), or None."""

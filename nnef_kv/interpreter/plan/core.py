@@ -369,7 +369,8 @@ def patterns(d: Draft) -> None:
     """Exporters' chains of small steps -> one step each (see :mod:`.patterns`)."""
     from .patterns import fuse_patterns
 
-    d.steps, d.step_nodes, elided, counts = fuse_patterns(d.graph, d.steps, d.step_nodes, d.base)
+    d.steps, d.step_nodes, elided, counts = fuse_patterns(d.graph, d.steps, d.step_nodes, d.base,
+                                                          kernels=d.flags["prepare_weights"])
     d.info["fused_ops"] = len(d.elided)  # the producer*mul pairs of the fuse pass, counted before the chains
     d.elided |= elided
     d.info["fused_chains"] = sum(counts.values())

@@ -35,6 +35,10 @@ from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, same_rank_
 from .steps import Step
 
 _F32 = np.dtype(np.float32)
+#: the RMS norm kernel runs on at most this many rows (a decode step's): on a prefill's, NumPy's vectorised
+#: sums are faster than the kernel's pairwise sum (512 x 576: 216 vs 250 us, where the RoPE kernel takes 68
+#: us against NumPy's 252, at any row count; a /tmp timeit, 2026-12-06)
+_KERNEL_ROWS = 4
 
 __all__ = ["fuse_patterns", "MATCHERS"]
 
@@ -89,7 +93,7 @@ def match_rms_norm(flow: Flow, k: int, taken: set[int]) -> Match | None:
     w_, (x, ax, eps, epos, xpos), weight, wpos = found
     members = sorted(w_.members | {k})
     eps32 = np.float32(eps.reshape(())) if isinstance(eps, np.ndarray) and eps.size == 1 else None
-    wvec = rowwise.NO_WEIGHT if weight is None else _weight_row(weight)
+    wvec = (rowwise.NO_WEIGHT if weight is None else _weight_row(weight)) if flow.kernels else None
 
     def fast(v: list, x=x, ax=ax, eps=eps, epos=epos, xpos=xpos, weight=weight, wpos=wpos, eps32=eps32,
              wvec=wvec) -> Any:
@@ -99,7 +103,7 @@ def match_rms_norm(flow: Flow, k: int, taken: set[int]) -> Match | None:
         if weight is not None and not same_rank_broadcast(xv, weight):
             return NotImplemented
         n = xv.shape[-1]
-        if wvec is not None and wvec.size in (0, n) and n and xv.flags.c_contiguous:
+        if wvec is not None and wvec.size in (0, n) and n and xv.size <= _KERNEL_ROWS * n and xv.flags.c_contiguous:
             core = rowwise.rms_rows.hot()
             if core is not None:  # the kernel: the same operations in one call (see nnef_kv.kernels.rowwise)
                 y = np.empty_like(xv)
@@ -221,8 +225,10 @@ def match_rope(flow: Flow, k: int, taken: set[int]) -> Match | None:
         return None
     bounds = _BoundsCache(s1[1], s2[1])
     members = sorted(w_.members | {k})
+    kernel = flow.kernels
 
-    def fast(v: list, x=x, cos=cos, sin=sin, cpos=cpos, spos=spos, apos=apos, axis=axis, bounds=bounds) -> Any:
+    def fast(v: list, x=x, cos=cos, sin=sin, cpos=cpos, spos=spos, apos=apos, axis=axis, bounds=bounds,
+             kernel=kernel) -> Any:
         xv, cv, sv = v[x], v[cos], v[sin]
         if not (is_f32(xv) and xv.ndim and same_rank_broadcast(xv, cv) and same_rank_broadcast(xv, sv)):
             return NotImplemented
@@ -232,7 +238,7 @@ def match_rope(flow: Flow, k: int, taken: set[int]) -> Match | None:
             return NotImplemented
         if bounds(v, xv) != ((xv.ndim - 1, 0, h), (xv.ndim - 1, h, d)):
             return NotImplemented
-        if xv.ndim == 4:
+        if kernel and xv.ndim == 4:
             core = rowwise.rope_half.hot()
             if core is not None:  # the kernel: the same operations in one call (see nnef_kv.kernels.rowwise)
                 out = np.empty_like(xv)  # the layout NumPy's calls give (the input's order)
@@ -340,11 +346,13 @@ def _aliasing(producer: Step, pnode: Node, cast: Step, y: int, out: int) -> Any:
     return fast
 
 
-def fuse_patterns(graph: Graph, steps: list[Step], nodes: list[Node], base: list[Any]
+def fuse_patterns(graph: Graph, steps: list[Step], nodes: list[Node], base: list[Any], kernels: bool = True
                   ) -> tuple[list[Step], list[Node], set[int], dict[str, int]]:
     """Every chain of :data:`MATCHERS` in the steps -> one step; returns the new steps and nodes, the slots
-    no longer materialised, and the count by pattern."""
+    no longer materialised, and the count by pattern. ``kernels``: the fused forms may run the numba decode
+    kernels (see :class:`.chains.Flow`)."""
     flow = Flow(graph, nodes, base)
+    flow.kernels = kernels
     if flow.unknown:
         return steps, nodes, set(), {}
     taken: set[int] = set()
