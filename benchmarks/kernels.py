@@ -18,6 +18,7 @@ separately and printed, and kept out of the figures.
     python benchmarks/kernels.py --quick         # fewer rounds, T = 2048
     python benchmarks/kernels.py --only kivi     # or: --only weights
     python benchmarks/kernels.py --only q4row    # one-row Q4_0 core, old vs new, SmolLM2-135M shapes
+    python benchmarks/kernels.py --only decode   # a decode step's attention, RMS norm and RoPE kernels
 
 (c) ``--only q4row``: the one-row Q4_0 core (the decode step's path) against a copy of the core it replaced
     (``_OLD_Q4_SRC`` below, kept here only), on one thread, on the Q4_0 linears of a SmolLM2-135M-shaped
@@ -26,6 +27,12 @@ separately and printed, and kept out of the figures.
     step's order so each weight comes from memory. A round runs the whole step with one core then the other
     (alternating which goes first), each call timed; per shape: best over rounds and the median per-round
     ratio old / new.
+(d) ``--only decode``: the decode-step kernels against the NumPy calls the plan's fused forms make otherwise
+    (their references), one thread: ``kernels.attend`` (SmolLM2-135M's 9 query heads on 3 kv heads x 64, one
+    query row, a causal mask row, K/V read in place from a cache buffer with room to grow) at T keys, the
+    crossover behind ``attend.MAX_KEYS``; ``kernels.rowwise`` RMS norm (576 wide) and RoPE (9 heads x 64) at 1
+    and 512 rows (``_KERNEL_ROWS`` in ``interpreter/plan/patterns.py``). The compiled cores are timed (what a
+    plan step calls), the references as the plan calls them.
 """
 from __future__ import annotations
 
@@ -350,10 +357,51 @@ def speedup(mode: str, t: int, rounds: int) -> None:
           f"(first call with threads=2: {jt:.2f} s)")
 
 
+# ============================================================================ (d) decode-step kernels
+def bench_decode(rounds: int) -> None:
+    from nnef_kv.kernels import attend, rowwise
+
+    rng = np.random.default_rng(0)
+    inner = 50
+    print("\n== decode-step kernels vs the NumPy calls they stand for (one thread; us a call, median of paired "
+          "rounds; ratio = NumPy / kernel)")
+    for t in (16, 64, 256, 1024, 2048, 4096):
+        q = rng.standard_normal((1, 9, 1, 64)).astype(np.float32)
+        kb = rng.standard_normal((1, 3, t + 64, 64)).astype(np.float32)
+        vb = rng.standard_normal((1, 3, t + 64, 64)).astype(np.float32)
+        k, v = kb[:, :, :t], vb[:, :, :t]
+        mask = np.zeros((1, 1, 1, t), np.float32)
+        sc = np.float32(0.125)
+        out, ref = np.empty((1, 9, 1, 64), np.float32), np.empty((1, 9, 1, 64), np.float32)
+        attend.attend_rows(q, k, v, mask, 3, sc, out)
+        core = attend.attend_rows.hot()
+        r, tk, tn = paired(lambda: core(q, k, v, mask, 3, sc, True, out),
+                           lambda: attend.attend_rows.reference(q, k, v, mask, 3, sc, ref), rounds, inner)
+        print(f"attention, 9 heads on 3 kv heads x 64, T = {t:5d}: kernel {tk * 1e6:7.1f} us, NumPy {tn * 1e6:7.1f} "
+              f"us: {r:.2f}x")
+    for rows in (1, 512):
+        x = rng.standard_normal((rows, 576)).astype(np.float32)
+        w = rng.standard_normal(576).astype(np.float32)
+        y = np.empty_like(x)
+        rowwise.rms_rows(x, np.float32(1e-5), w, y)
+        rms = rowwise.rms_rows.hot()
+        r, tk, tn = paired(lambda: rms(x, np.float32(1e-5), w, y),
+                           lambda: rowwise.rms_rows.reference(x, np.float32(1e-5), w, y), rounds, inner)
+        print(f"RMS norm, {rows:3d} x 576: kernel {tk * 1e6:7.1f} us, NumPy {tn * 1e6:7.1f} us: {r:.2f}x")
+        xr = rng.standard_normal((1, 9, rows, 64)).astype(np.float32)
+        cs = rng.standard_normal((1, 1, rows, 64)).astype(np.float32)
+        o = np.empty_like(xr)
+        rowwise.rope_half(xr, cs, cs, o)
+        rope = rowwise.rope_half.hot()
+        r, tk, tn = paired(lambda: rope(xr, cs, cs, o), lambda: rowwise.rope_half.reference(xr, cs, cs, o),
+                           rounds, inner)
+        print(f"RoPE, 9 heads x {rows:3d} x 64: kernel {tk * 1e6:7.1f} us, NumPy {tn * 1e6:7.1f} us: {r:.2f}x")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="fewer rounds, T = 2048")
-    ap.add_argument("--only", choices=["weights", "kivi", "q4row"], default=None)
+    ap.add_argument("--only", choices=["weights", "kivi", "q4row", "decode"], default=None)
     ap.add_argument("--rounds", type=int, default=0)
     ap.add_argument("--tokens", type=int, default=0)
     ap.add_argument("--parallel", choices=["pool", "prange"], default=None,
@@ -379,6 +427,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only in (None, "q4row"):
         with threadpool_limits(1):
             bench_q4_row(rounds)
+    if args.only in (None, "decode"):
+        with threadpool_limits(1):
+            bench_decode(rounds)
     if args.only in (None, "kivi"):
         bench_kivi(t, rounds, [int(b) for b in args.bits.split(",")], [int(g) for g in args.groups.split(",")],
                    args.rows)

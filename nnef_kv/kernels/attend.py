@@ -36,9 +36,10 @@ __all__ = ["attend_rows", "readable", "MAX_ROWS", "MAX_KEYS", "NO_MASK", "error_
 
 #: query rows a call takes at most (a decode step is one; a few for speculative or stepwise calls)
 MAX_ROWS = 4
-#: keys a call takes at most: beyond, NumPy's calls (BLAS's products) are as fast (measured crossover, see
-#: docs/benchmarks.md)
-MAX_KEYS = 2048
+#: keys the plan's decode step gives the kernel at most: from about 2048 keys on, NumPy's calls (BLAS's
+#: products) are as fast or faster (``python benchmarks/kernels.py --only decode``: 1.07x at 1024 keys, 0.96x
+#: at 2048, 0.89x at 4096; docs/benchmarks.md)
+MAX_KEYS = 1024
 
 _F32 = np.dtype(np.float32)
 #: the mask argument of the compiled core when there is none

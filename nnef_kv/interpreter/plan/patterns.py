@@ -35,10 +35,6 @@ from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, same_rank_
 from .steps import Step
 
 _F32 = np.dtype(np.float32)
-#: the RMS norm kernel runs on at most this many rows (a decode step's): on a prefill's, NumPy's vectorised
-#: sums are faster than the kernel's pairwise sum (512 x 576: 216 vs 250 us, where the RoPE kernel takes 68
-#: us against NumPy's 252, at any row count; a /tmp timeit, 2026-12-06)
-_KERNEL_ROWS = 4
 
 __all__ = ["fuse_patterns", "MATCHERS"]
 
@@ -103,7 +99,7 @@ def match_rms_norm(flow: Flow, k: int, taken: set[int]) -> Match | None:
         if weight is not None and not same_rank_broadcast(xv, weight):
             return NotImplemented
         n = xv.shape[-1]
-        if wvec is not None and wvec.size in (0, n) and n and xv.size <= _KERNEL_ROWS * n and xv.flags.c_contiguous:
+        if wvec is not None and wvec.size in (0, n) and n and xv.flags.c_contiguous:
             core = rowwise.rms_rows.hot()
             if core is not None:  # the kernel: the same operations in one call (see nnef_kv.kernels.rowwise)
                 y = np.empty_like(xv)
