@@ -37,6 +37,29 @@ requires_tract = pytest.mark.skipif(
 requires_khronos = pytest.mark.skipif(
     not HAVE_KHRONOS_NNEF, reason="the Khronos nnef package is not installed (pip install -e '.[dev]')"
 )
+try:  # imported here only to know (nnef_kv itself imports it lazily)
+    import numba  # noqa: F401
+except Exception:  # absent or broken: the numba half of the kernel tests is skipped
+    HAVE_NUMBA = False
+else:
+    HAVE_NUMBA = True
+requires_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
+
+
+@pytest.fixture(params=["numba", "fallback"])
+def mode(request, monkeypatch):
+    """Runs a kernel test with the numba kernels, then with the forced NumPy fallback (``NNEF_KV_NO_NUMBA=1``)."""
+    from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
+
+    if request.param == "numba":
+        if not HAVE_NUMBA:
+            pytest.skip("numba is not installed")
+        monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+        assert numba_available()
+    else:
+        monkeypatch.setenv(NO_NUMBA_ENV, "1")
+        assert not numba_available()
+    return request.param
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
 """The decode-step kernels beside their NumPy references: the exact f32 attention of a few query rows
 (nnef_kv/kernels/attend.py: within its error bound of the float64 attention, as the reference is) and the RMS
 norm and rotate-half RoPE rows (nnef_kv/kernels/rowwise.py: NumPy's bits), with the numba side and the forced
-fallback; argument errors; what :meth:`Kernel.hot` hands a plan's step."""
+fallback (the ``mode`` fixture of tests/conftest.py); argument errors; what :meth:`Kernel.hot` hands a plan's
+step."""
 from __future__ import annotations
 
 import numpy as np
@@ -9,31 +10,12 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
+from conftest import HAVE_NUMBA, requires_numba
+from nnef_kv.kernels import NO_NUMBA_ENV
 from nnef_kv.kernels import attend as at
 from nnef_kv.kernels import rowwise as rw
 
-try:
-    import numba  # noqa: F401
-except Exception:
-    HAVE_NUMBA = False
-else:
-    HAVE_NUMBA = True
-requires_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(params=["numba", "fallback"])
-def mode(request, monkeypatch):
-    if request.param == "numba":
-        if not HAVE_NUMBA:
-            pytest.skip("numba is not installed")
-        monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
-        assert numba_available()
-    else:
-        monkeypatch.setenv(NO_NUMBA_ENV, "1")
-        assert not numba_available()
-    return request.param
 
 
 # ====================================================================================== attention

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from nnef_kv.tensors.blockquant import Q4_0_GGML, Q4_0_LEGACY, BlockQuantTensor
+from conftest import requires_numba
 from nnef_kv.kernels import NO_NUMBA_ENV, numba_available
 from nnef_kv.kernels import blockquant as bq
 from nnef_kv.kernels import gemv as gv
@@ -31,29 +32,8 @@ from nnef_kv.kv.kivi import kernels as ka
 from nnef_kv.kv.kivi import KiviSdpa
 
 REPO = Path(__file__).resolve().parents[2]
-try:  # imported here only to know (nnef_kv itself imports it lazily)
-    import numba  # noqa: F401
-except Exception:  # absent or broken: the numba half of the tests is skipped
-    HAVE_NUMBA = False
-else:
-    HAVE_NUMBA = True
 EPS = float(np.finfo(np.float32).eps) / 2  # unit roundoff 2**-24
-requires_numba = pytest.mark.skipif(not HAVE_NUMBA, reason="numba is not installed")
 HYP = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-@pytest.fixture(params=["numba", "fallback"])
-def mode(request, monkeypatch):
-    """Runs a test with the numba kernels, then with the forced NumPy fallback."""
-    if request.param == "numba":
-        if not HAVE_NUMBA:
-            pytest.skip("numba is not installed")
-        monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
-        assert numba_available()
-    else:
-        monkeypatch.setenv(NO_NUMBA_ENV, "1")
-        assert not numba_available()
-    return request.param
 
 
 # ===================================================================================== dispatch
