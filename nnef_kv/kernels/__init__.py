@@ -147,10 +147,11 @@ class Kernel:
     def hot(self) -> Any:
         """What a caller making many small calls (a plan's decode step) runs this time: None when the numba side
         is not used (numba absent or off, or it failed here: the caller runs its own NumPy form); the kernel
-        itself until its first call ran (that call compiles or loads numba's cache, and falls back to the
-        reference if it cannot); then the compiled core named ``core`` (no wrapper, no checks: the caller
-        checked the arguments, in the core's own signature)."""
-        if self.broken is not None or not numba_available():
+        itself until its first call ran (that call imports numba, compiles or loads numba's cache, and falls
+        back to the reference if it cannot: asking imports nothing, :func:`numba_installed`); then the compiled
+        core named ``core`` (no wrapper, no checks: the caller checked the arguments, in the core's own
+        signature)."""
+        if self.broken is not None or not numba_installed():
             return None
         if not self._called:
             return self

@@ -23,7 +23,7 @@ import numpy as np
 
 from . import kernel
 
-__all__ = ["rows_by_t", "MAX_ROWS", "DTYPES", "usable", "compiled_core"]
+__all__ = ["rows_by_t", "MAX_ROWS", "DTYPES", "usable"]
 
 #: products of more rows than this run on BLAS (measured crossover, see the module docstring)
 MAX_ROWS = 4
@@ -39,17 +39,11 @@ def usable(a: np.ndarray, wt: np.ndarray) -> bool:
             and a.shape[1] == wt.shape[0])
 
 
-@kernel("nnef_kv.kernels._gemv_jit:rows_by_t")
+@kernel("nnef_kv.kernels._gemv_jit:rows_by_t", core="_rows_by_t")
 def rows_by_t(a: np.ndarray, w: np.ndarray, out: np.ndarray, lo: int, hi: int) -> None:
     """``out[:, lo:hi] = a @ w[lo:hi].T`` for ``a [m, K]``, ``w [N, K]``, ``out [m, N]`` (all C-contiguous,
-    one float dtype)."""
+    one float dtype). ``rows_by_t.hot()`` hands a caller that checked the shapes with :func:`usable` and its
+    row range itself the compiled core, the same arguments without the wrapper's checks (a decode step calls
+    it about 120 times)."""
     np.matmul(a, w[lo:hi].T, out=out[:, lo:hi])
 
-
-def compiled_core() -> object:
-    """The compiled core of :func:`rows_by_t` without the wrapper's checks (for a caller that checked the
-    shapes with :func:`usable` and its row range itself, once the kernel ran: a decode step calls it about
-    120 times)."""
-    from . import _gemv_jit
-
-    return _gemv_jit._rows_by_t

@@ -49,7 +49,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from ...kernels import gemv, numba_available, numba_installed
+from ...kernels import gemv, numba_available
 from ...kernels.gemv import rows_by_t
 
 #: products whose weight is smaller than this (bytes) are not split: the hand-over would cost more
@@ -243,17 +243,11 @@ def gemv_on() -> bool:
 
 def refresh() -> None:
     """Called at the start of every run (:func:`~.execute.execute`): whether this run's few-row products take
-    the numba kernel (the environment read once a run, not once a product). Until the kernel first ran they
-    go through its wrapper, which imports numba then (a run with no such product, an ``inspect`` check's,
-    does not map numba and LLVM: about 56 MiB) and falls back to the reference if it cannot compile;
-    later runs call the compiled core directly."""
-    if not numba_installed() or rows_by_t.broken is not None:
-        _FEW_ROWS[0] = None
-    elif rows_by_t._called:
-        if _FEW_ROWS[0] is None or _FEW_ROWS[0] is rows_by_t:
-            _FEW_ROWS[0] = gemv.compiled_core()
-    else:
-        _FEW_ROWS[0] = rows_by_t
+    the numba kernel (the environment read once a run, not once a product): :meth:`Kernel.hot
+    <nnef_kv.kernels.Kernel.hot>`. Until the kernel first ran they go through its wrapper, which imports numba
+    then (a run with no such product, an ``inspect`` check's, does not map numba and LLVM: about 56 MiB) and
+    falls back to the reference if it cannot compile; later runs call the compiled core directly."""
+    _FEW_ROWS[0] = rows_by_t.hot()
 
 
 def usable_cpus() -> int:
