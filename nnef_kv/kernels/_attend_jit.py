@@ -6,7 +6,7 @@ from numba import carray, njit
 
 from ._numba_common import JIT_REASSOC, exp_nonpositive, void_pointer, wide_vectors
 
-__all__ = ["attend_rows", "core"]
+__all__ = ["attend_rows", "core", "softmax_rows", "softmax_core"]
 
 
 @njit(**JIT_REASSOC)
@@ -110,3 +110,75 @@ def attend_rows(q, k, v, mask, g, scale, out):
     k, v = (x if readable(x) else np.ascontiguousarray(x) for x in (k, v))
     sc = np.float32(1) if scale is None else np.float32(np.asarray(scale).reshape(()))
     core(q, k, v, NO_MASK if mask is None else mask, g, sc, scale is not None, out)
+
+
+@njit(**JIT_REASSOC)
+def _mask_span(a):
+    """:func:`_span` of a 4-D mask (broadcast axes of one entry, strides of any multiple of the item size)."""
+    size = a.itemsize
+    st = (a.strides[0] // size, a.strides[1] // size, a.strides[2] // size, a.strides[3] // size)
+    n = 1
+    for i in range(4):
+        n += (a.shape[i] - 1) * st[i]
+    if a.size == 0:
+        n = 0
+    return carray(void_pointer(a.ctypes.data), (n,), np.float32), st
+
+
+@njit(**JIT_REASSOC)
+def softmax_core(s, mask, scale, scaled):
+    """``s [B, H, M, T]`` C-contiguous -> ``softmax(s * scale + mask)`` in place, per row: the scale and the mask
+    in the first pass with the row's max (sixteen running maxima, so that the loop vectorises; a NaN anywhere
+    makes the whole row NaN through the sum, as NumPy's max would), then exp, sum and division."""
+    wide_vectors()
+    b_n, h_n, m_n, t_n = s.shape
+    masked = mask.size > 0
+    mf, ms = _mask_span(mask)
+    mb, mh, mm, mt = mask.shape
+    part = np.empty(16, np.float32)
+    t16 = t_n // 16 * 16
+    for b in range(b_n):
+        for h in range(h_n):
+            for m in range(m_n):
+                sr = s[b, h, m]
+                if scaled:
+                    for t in range(t_n):
+                        sr[t] = sr[t] * scale
+                if masked:
+                    mo = (b if mb > 1 else 0) * ms[0] + (h if mh > 1 else 0) * ms[1] + (m if mm > 1 else 0) * ms[2]
+                    if mt > 1:
+                        mr = mf[mo:mo + t_n]
+                        for t in range(t_n):
+                            sr[t] = sr[t] + mr[t]
+                    else:
+                        x = mf[mo]
+                        for t in range(t_n):
+                            sr[t] = sr[t] + x
+                part[:] = -np.inf
+                for t0 in range(0, t16, 16):
+                    for j in range(16):
+                        x = sr[t0 + j]
+                        part[j] = x if x > part[j] else part[j]
+                top = np.float32(-np.inf)
+                for j in range(16):
+                    top = part[j] if part[j] > top else top
+                for t in range(t16, t_n):
+                    top = sr[t] if sr[t] > top else top
+                den = np.float32(0)
+                for t in range(t_n):  # <= 0, or NaN (a NaN score, Inf - Inf): NaN as NumPy's exp gives
+                    e = exp_nonpositive(sr[t] - top)
+                    sr[t] = e
+                    den += e
+                for t in range(t_n):
+                    sr[t] = sr[t] / den
+
+
+def softmax_rows(s, mask, scale, out=None):
+    """See :func:`nnef_kv.kernels.attend.softmax_rows`."""
+    from .attend import NO_MASK, _check_softmax, mask_readable
+
+    _check_softmax(s, mask, scale)
+    if mask is not None and not mask_readable(mask):
+        mask = np.ascontiguousarray(mask)
+    sc = np.float32(1) if scale is None else np.float32(np.asarray(scale).reshape(()))
+    softmax_core(s, NO_MASK if mask is None else mask, sc, scale is not None)

@@ -19,7 +19,13 @@ rounding of those sums, within :func:`error_bound` of the exact value as the ref
 checked in tests/unit/test_patterns.py). A row whose scores hold a NaN, or whose max is infinite, gives NaN
 or what NumPy gives (the same ``s - max`` and ``exp``).
 
-Only for a few rows (:data:`MAX_ROWS`): a prefill's rows are products BLAS blocks better.
+Only for a few rows (:data:`MAX_ROWS`): a prefill's rows are products BLAS blocks better. For a prefill's
+blocks of query rows, :func:`softmax_rows` ``(s, mask, scale, out)`` turns the scores BLAS computed into
+probabilities in place: ``s * scale + mask``, the row's max, ``exp(s - max)``, the division by the sum, in two
+passes over a row instead of the seven NumPy calls (whose reductions and temporaries cost as much as the two
+products on SmolLM2-135M's 512-token prefill). The scale's product, the mask's sum, the shift and the
+division round as NumPy's do; the exp (1 ulp) and the sum (in lanes) do not: within :func:`softmax_bound` of
+the float64 softmax of the same shifted scores (tests/properties/test_decode_kernels.py).
 The compiled core without the wrapper's checks (:meth:`.Kernel.hot`, for the plan's decode step, which
 checked the shapes itself): ``core(q, k, v, mask or NO_MASK, g, scale as f32, scaled, out)``, ``k`` and ``v``
 :func:`readable` (the wrapper copies others).
@@ -32,7 +38,8 @@ import numpy as np
 
 from . import kernel
 
-__all__ = ["attend_rows", "readable", "MAX_ROWS", "MAX_KEYS", "NO_MASK", "error_bound", "exact"]
+__all__ = ["attend_rows", "readable", "MAX_ROWS", "MAX_KEYS", "NO_MASK", "error_bound", "exact", "softmax_rows",
+           "mask_readable", "softmax_bound"]
 
 #: query rows a call takes at most (a decode step is one; a few for speculative or stepwise calls)
 MAX_ROWS = 4
@@ -141,3 +148,51 @@ def error_bound(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | 
         e_s = np.where(np.isfinite(s), (d + 2) * u * absdots * sc + 2 * u * np.abs(s), 0.0)
     rel = 2 * np.max(e_s, axis=3, keepdims=True) + (t + 8) * u
     return (rel + (t + 1) * u) * mag * 1.01 + np.finfo(np.float32).tiny
+
+
+def mask_readable(mask: np.ndarray) -> bool:
+    """:func:`softmax_rows`'s compiled core reads ``mask`` (4-D float32) in place: no negative stride, every stride a
+    whole number of elements, the last one element unless that axis has one entry."""
+    st, size = mask.strides, mask.itemsize
+    return mask.ndim == 4 and (st[3] == size or mask.shape[3] == 1) and min(st) >= 0 and not any(x % size for x in st)
+
+
+@kernel("nnef_kv.kernels._attend_jit:softmax_rows", core="softmax_core")
+def softmax_rows(s: np.ndarray, mask: np.ndarray | None, scale: Any, out: None = None) -> None:
+    """``s [B, H, M, T]`` (float32, C-contiguous) becomes ``softmax(s * scale + mask)`` over its last axis, in
+    place (``scale`` None or one float32, ``mask`` None or float32 broadcasting to ``s``); ``out`` is unused (the
+    kernels' common signature). The compiled core: ``softmax_core(s, mask or NO_MASK, scale as f32, scaled)``,
+    the mask :func:`mask_readable`."""
+    _check_softmax(s, mask, scale)
+    if scale is not None:
+        np.multiply(s, np.float32(np.asarray(scale).reshape(())), out=s)
+    if mask is not None:
+        np.add(s, mask, out=s)
+    with np.errstate(invalid="ignore", over="ignore"):
+        np.subtract(s, np.max(s, axis=3, keepdims=True), out=s)
+        np.exp(s, out=s)
+        np.divide(s, np.sum(s, axis=3, keepdims=True), out=s)
+
+
+def _check_softmax(s: np.ndarray, mask: Any, scale: Any) -> None:
+    if not (isinstance(s, np.ndarray) and s.dtype == _F32 and s.ndim == 4 and s.flags.c_contiguous and s.size):
+        raise ValueError("softmax_rows: s must be a non-empty C-contiguous 4-D float32 array")
+    if scale is not None and not (isinstance(scale, (np.ndarray, np.float32)) and np.asarray(scale).size == 1
+                                  and np.asarray(scale).dtype == _F32):
+        raise ValueError("softmax_rows: scale must be one float32 value")
+    if mask is not None and not (isinstance(mask, np.ndarray) and mask.dtype == _F32 and mask.ndim == 4
+                                 and all(x in (1, y) for x, y in zip(mask.shape, s.shape))):
+        raise ValueError(f"softmax_rows: mask must be a 4-D float32 array broadcasting to {s.shape}")
+
+
+def softmax_bound(shifted: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The float64 softmax of float32 scores already shifted by their row max (what both sides of
+    :func:`softmax_rows` exponentiate: the same f32 roundings up to there), and a bound on either side's
+    distance to it where it is finite: ``(T + 4) u`` relative (a 1-ulp exp, the sum's ``gamma_T``, the
+    division; ``u = 2**-24``) plus ``2**-125`` (the numba exp is 0 below -87, where the true value is under
+    1.7e-38, and a probability in the subnormal range rounds coarsely)."""
+    t = shifted.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.exp(shifted.astype(np.float64))
+        p = e / np.sum(e, axis=-1, keepdims=True)
+    return p, (t + 4) * 2.0 ** -24 * np.abs(p) + 2.0 ** -125

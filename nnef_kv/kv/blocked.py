@@ -22,11 +22,13 @@ reductions, a few rows per head).
 """
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SCORE_BYTES", "CAUSAL_BLOCKS", "CAUSAL_ROWS", "row_block", "row_ranges", "score_bound", "unseen_from"]
+__all__ = ["SCORE_BYTES", "CAUSAL_BLOCKS", "CAUSAL_ROWS", "row_block", "row_ranges", "score_bound", "unseen_from",
+           "mask_cut", "unseen_given"]
 
 #: the most bytes of f32 scores (every head of one call) an attention computes at once; above it the
 #: queries are taken in blocks of rows (read at call time: tests and users may change it)
@@ -62,10 +64,15 @@ def score_bound(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, scale: Any) -> fl
     """A bound on ``|scale * q.k|`` over every query row and key (Cauchy-Schwarz on the row norms), None
     when some query, key or value is not finite (then no key may be left out: one call would give NaN)."""
     with np.errstate(over="ignore", invalid="ignore"):
-        qn = float(np.sqrt(np.max(np.einsum("...d,...d->...", q, q, dtype=np.float64))))
-        kn = float(np.sqrt(np.max(np.einsum("...d,...d->...", kv, kv, dtype=np.float64))))
+        qn = float(np.max(np.einsum("...d,...d->...", q, q)))
+        kn = float(np.max(np.einsum("...d,...d->...", kv, kv)))
     sc = 1.0 if scale is None else abs(float(np.asarray(scale).reshape(-1)[0]))
-    bound = sc * qn * kn
+    # the squared norms summed in the inputs' dtype (float32 or wider: a relative error under (D + 1) 2**-24
+    # each, the squares' roundings included; an overflow gives Inf and no bound), widened by 2 (D + 2) 2**-24,
+    # plus a term for squares that underflowed
+    d = q.shape[-1] if q.ndim else 1
+    bound = sc * (math.sqrt(qn * kn) * (1.0 + 2.0 * (d + 2) * 2.0 ** -24) + 1e-30) if qn >= 0 and kn >= 0 \
+        else math.nan
     if not (np.isfinite(bound) and np.isfinite(vv).all()):
         return None
     return bound
@@ -75,12 +82,25 @@ def unseen_from(mb: np.ndarray, smax: float) -> int:
     """The first key of the trailing keys no query row of this block sees: where every mask value is the
     block's lowest column maximum and that is so far below every row's highest mask value on the other keys
     (more than ``2 * smax`` + 110) that its softmax weight is exactly 0 in one call too. ``T`` when none."""
+    return unseen_given(mask_cut(mb), smax, mb.shape[-1])
+
+
+def mask_cut(mb: np.ndarray) -> tuple[int, float]:
+    """What :func:`unseen_from` reads of the mask: ``(cut, gap)``, the first of the trailing keys whose mask
+    values are all the block's lowest column maximum (``T`` when there are none, or no other key) and how far
+    that value is below every row's highest mask value on the keys before ``cut``."""
     t = mb.shape[-1]
     colmax = np.max(mb.reshape(-1, t), axis=0)
     low = float(colmax.min())
     above = np.flatnonzero(colmax > low)
     cut = int(above[-1]) + 1 if above.size else 0
     if cut == 0 or cut == t:
-        return t
+        return t, 0.0
     vis = float(np.min(np.max(mb[..., :cut], axis=-1)))
-    return cut if vis - low > 2.0 * smax - _EXP_ZERO else t
+    return cut, vis - low
+
+
+def unseen_given(cut_gap: tuple[int, float], smax: float, t: int) -> int:
+    """:func:`unseen_from` of a mask block whose :func:`mask_cut` is ``cut_gap``."""
+    cut, gap = cut_gap
+    return cut if cut < t and gap > 2.0 * smax - _EXP_ZERO else t

@@ -1,8 +1,8 @@
-"""The decode-step kernels beside their NumPy references: the exact f32 attention of a few query rows
-(nnef_kv/kernels/attend.py: within its error bound of the float64 attention, as the reference is) and the RMS
-norm and rotate-half RoPE rows (nnef_kv/kernels/rowwise.py: NumPy's bits), with the numba side and the forced
-fallback (the ``mode`` fixture of tests/conftest.py); argument errors; what :meth:`Kernel.hot` hands a plan's
-step."""
+"""The decoder-block kernels beside their NumPy references: the exact f32 attention of a few query rows and a
+prefill block's softmax (nnef_kv/kernels/attend.py: within their error bounds of float64, as the references
+are), SwiGLU's gate (nnef_kv/kernels/gate.py: likewise), the RMS norm and rotate-half RoPE rows
+(nnef_kv/kernels/rowwise.py: NumPy's bits), with the numba side and the forced fallback (the ``mode`` fixture
+of tests/conftest.py); argument errors; what :meth:`Kernel.hot` hands a plan's step."""
 from __future__ import annotations
 
 import numpy as np
@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from conftest import HAVE_NUMBA, requires_numba
 from nnef_kv.kernels import NO_NUMBA_ENV
 from nnef_kv.kernels import attend as at
+from nnef_kv.kernels import gate as gt
 from nnef_kv.kernels import rowwise as rw
 
 HYP = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
@@ -110,6 +111,143 @@ def test_attend_rows_copies_a_cache_with_a_strided_last_axis(monkeypatch):
     out = np.empty((1, 2, 1, 8), np.float32)
     at.attend_rows.jit(q, kv, kv, None, 1, None, out)
     _within_bound(out, q, kv, kv, None, 1, None)
+
+
+# ====================================================================================== a prefill block's softmax
+def _shifted(s, mask, scale):
+    """The scores both sides exponentiate: ``s * scale + mask - rowmax`` in float32, as NumPy's calls round them."""
+    x = s.copy()
+    if scale is not None:
+        x = x * scale
+    if mask is not None:
+        x = x + mask
+    with np.errstate(invalid="ignore"):
+        return x - np.max(x, axis=3, keepdims=True)
+
+
+@HYP
+@given(b=st.integers(1, 2), h=st.integers(1, 4), m=st.integers(1, 40), t=st.sampled_from([1, 2, 15, 16, 17, 33, 300]),
+       mask=st.sampled_from(["none", "row", "full", "head", "causal", "strided", "key-broadcast"]),
+       scaled=st.booleans(), big=st.booleans(), seed=st.integers(0, 2**31 - 1))
+def test_softmax_rows_is_within_its_bound(mode, b, h, m, t, mask, scaled, big, seed):
+    """Either side, within :func:`softmax_bound` of the float64 softmax of the same shifted scores: masks of every
+    broadcast shape (a view of a larger mask, the way a prefill's blocks read the graph's mask, included), -inf
+    and -3.4e38 entries, large scores."""
+    rng = np.random.default_rng(seed)
+    s0 = (rng.standard_normal((b, h, m, t)) * (40 if big else 3)).astype(np.float32)
+    mk = None
+    if mask == "causal" or mask == "strided":
+        hide = np.arange(t)[None, :] > np.arange(m)[:, None] + (t - m)
+        full = np.where(hide, np.float32(-3.4e38 if mask == "causal" else -np.inf), np.float32(0))
+        if mask == "strided":
+            big_mask = np.zeros((m + 3, t + 7), np.float32)
+            big_mask[1:m + 1, 2:t + 2] = full
+            full = big_mask[1:m + 1, 2:t + 2]
+        mk = full[None, None]
+    elif mask != "none":
+        shape = {"row": (1, 1, 1, t), "full": (b, h, m, t), "head": (1, h, 1, t), "key-broadcast": (b, 1, m, 1)}[mask]
+        mk = np.where(rng.random(shape) < 0.3, -np.inf, rng.standard_normal(shape)).astype(np.float32)
+        mk[..., 0] = 0.0
+    scale = np.float32(0.125) if scaled else None
+    for side in (at.softmax_rows, at.softmax_rows.reference):
+        s = s0.copy()
+        side(s, mk, scale)
+        p, bound = at.softmax_bound(_shifted(s0, mk, scale))
+        fin = np.isfinite(p)
+        assert np.all(np.abs(s - p)[fin] <= bound[fin]), np.max((np.abs(s - p) / bound)[fin])
+        np.testing.assert_array_equal(np.isnan(s), np.isnan(p))
+
+
+@pytest.mark.parametrize("case", ["masked-row", "nan-score", "inf-score", "all-nan"])
+def test_softmax_rows_non_finite_rows_match_the_reference(mode, case):
+    """A fully masked row, a NaN score, an infinite score, a row of NaN: the NaN pattern of NumPy's calls."""
+    s0 = np.random.default_rng(4).standard_normal((1, 2, 3, 20)).astype(np.float32)
+    mk = np.zeros((1, 1, 3, 20), np.float32)
+    if case == "masked-row":
+        mk[0, 0, 1] = -np.inf
+    elif case == "nan-score":
+        s0[0, 1, 0, 7] = np.nan
+    elif case == "inf-score":
+        s0[0, 0, 2, 19] = np.inf
+    else:
+        s0[0, 1, 1] = np.nan
+    got, ref = s0.copy(), s0.copy()
+    with np.errstate(invalid="ignore"):
+        at.softmax_rows(got, mk, np.float32(0.5))
+        at.softmax_rows.reference(ref, mk, np.float32(0.5))
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    assert np.isnan(ref).any()
+    fin = np.isfinite(ref)
+    np.testing.assert_allclose(got[fin], ref[fin], rtol=1e-5, atol=1e-7)
+
+
+def test_softmax_rows_argument_errors(mode):
+    s = np.zeros((1, 2, 3, 4), np.float32)
+    with pytest.raises(ValueError, match="C-contiguous 4-D float32"):
+        at.softmax_rows(s[..., ::2], None, None)
+    with pytest.raises(ValueError, match="C-contiguous 4-D float32"):
+        at.softmax_rows(s.astype(np.float64), None, None)
+    with pytest.raises(ValueError, match="broadcasting"):
+        at.softmax_rows(s, np.zeros((1, 1, 2, 4), np.float32), None)
+    with pytest.raises(ValueError, match="scale"):
+        at.softmax_rows(s, None, 0.5)
+
+
+# ====================================================================================== SwiGLU's gate
+@HYP
+@given(r=st.integers(1, 6), n=st.sampled_from([1, 2, 15, 16, 17, 64, 300]), strided=st.booleans(),
+       spread=st.sampled_from([1.0, 8.0, 60.0]), seed=st.integers(0, 2**31 - 1))
+def test_silu_gate_is_within_its_bound(mode, r, n, strided, spread, seed):
+    """Either side, within :func:`error_bound` of the float64 gate; ``g`` and ``u`` as the two halves of one
+    stacked product (rows of stride ``2N``) or contiguous; values up to where ``exp(-g)`` overflows."""
+    rng = np.random.default_rng(seed)
+    gu = (rng.standard_normal((r, 2 * n)) * spread).astype(np.float32)
+    g, u = (gu[:, :n], gu[:, n:]) if strided else (np.ascontiguousarray(gu[:, :n]), np.ascontiguousarray(gu[:, n:]))
+    ex, bound = gt.exact(g, u), gt.error_bound(g, u)
+    for side in (gt.silu_gate, gt.silu_gate.reference):
+        out = np.full((r, n), 7.0, np.float32)
+        with np.errstate(over="ignore"):
+            side(g, u, out)
+        assert np.all(np.abs(out - ex) <= bound), np.max(np.abs(out - ex) / bound)
+
+
+def test_silu_gate_special_values(mode):
+    """NaN, +-Inf, +-0, values where ``exp(-g)`` overflows or the sigmoid is subnormal, the float32 extremes: NaN
+    where the reference gives NaN, Inf where it gives Inf, within the bound elsewhere."""
+    g = np.array([[np.nan, np.inf, -np.inf, 0.0, -0.0, 100, -100, -88, -87.5, -86.9, 88, 1e-30, -1e-30, 3.4e38,
+                   -3.4e38, 1, -1, 20, -20]], np.float32)
+    u = np.array([[1.5, 2.0, 2.0, 3.0, 3.0, -1.0, 1.0, 1.5, 1.5, 1.5, 1.0, 1.0, 1.0, 1.5, 1.5, 0.5, 0.5, 2.0, 2.0]],
+                 np.float32)
+    got, ref = np.empty_like(g), np.empty_like(g)
+    with np.errstate(over="ignore", invalid="ignore"):
+        gt.silu_gate(g, u, got)
+        gt.silu_gate.reference(g, u, ref)
+        ex, bound = gt.exact(g, u), gt.error_bound(g, u)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(ref))
+    np.testing.assert_array_equal(np.isinf(got), np.isinf(ref))
+    fin = np.abs(ex) <= np.finfo(np.float32).max  # 3.4e38 * 1.5 overflows float32 on both sides
+    assert np.all(np.abs(got - ex)[fin] <= bound[fin]) and np.all(np.abs(ref - ex)[fin] <= bound[fin])
+
+
+def test_silu_gate_argument_errors(mode):
+    g = np.zeros((2, 4), np.float32)
+    with pytest.raises(ValueError, match="2-D float32"):
+        gt.silu_gate(g.astype(np.float64), g, g.copy())
+    with pytest.raises(ValueError, match="one shape"):
+        gt.silu_gate(g, g[:1], g.copy())
+    with pytest.raises(ValueError, match="one shape"):
+        gt.silu_gate(g, g, np.zeros((4, 2), np.float32).T)
+
+
+@requires_numba
+def test_silu_gate_copies_rows_it_cannot_read_in_place(monkeypatch):
+    monkeypatch.delenv(NO_NUMBA_ENV, raising=False)
+    rng = np.random.default_rng(6)
+    g = rng.standard_normal((3, 16)).astype(np.float32)[:, ::2]  # last axis of stride 2
+    u = rng.standard_normal((3, 8)).astype(np.float32)
+    out = np.empty((3, 8), np.float32)
+    gt.silu_gate.jit(g, u, out)
+    assert np.all(np.abs(out - gt.exact(g, u)) <= gt.error_bound(g, u))
 
 
 def test_hot_hands_out_none_the_kernel_then_its_core(monkeypatch):

@@ -8,9 +8,11 @@ on every torch-to-nnef export of the shared fixtures, on the built-in decoder in
 built-in decoder with NaN / Inf / huge values placed in its caches and embeddings (hypothesis).
 
 The RMS norm and RoPE kernels (nnef_kv/kernels/rowwise.py) run in these comparisons as they run by default:
-they give NumPy's bits. The decode-step attention kernel (nnef_kv/kernels/attend.py) sums in another order:
-these comparisons turn it off (``attention.DECODE_KERNEL``); :func:`test_the_attention_kernel_in_real_decodes`
-checks each of its calls in the same decodes against the exact attention, within its error bound."""
+they give NumPy's bits. The decode-step attention kernel (nnef_kv/kernels/attend.py) sums in another order and
+the SwiGLU gate kernel (nnef_kv/kernels/gate.py) has its own exp: these comparisons turn them off
+(``attention.DECODE_KERNEL``, ``patterns.GATE_KERNEL``); :func:`test_the_attention_kernel_in_real_decodes` and
+:func:`test_the_gate_kernel_in_real_decodes` check each of their calls in the same decodes against the exact
+values, within their error bounds."""
 from __future__ import annotations
 
 import threading
@@ -24,11 +26,12 @@ from hypothesis import strategies as st
 import nnef_kv
 from conftest import FIXTURES
 from nnef_kv.interpreter.plan import attention as plan_attention
+from nnef_kv.interpreter.plan import patterns as plan_patterns
 from nnef_kv.interpreter.plan import build_plan, get_plan
 from nnef_kv.interpreter.plan.cache_append import grow_concat
 from nnef_kv.interpreter.plan.chains import chain_members
 from nnef_kv.interpreter.session import Session
-from nnef_kv.kernels import attend, numba_available
+from nnef_kv.kernels import attend, gate, numba_available
 from nnef_kv.models import DecoderConfig, build_decoder, build_decoder_weights
 from nnef_kv.validate.decode import detect_signature
 
@@ -39,10 +42,13 @@ EXPORTS += [p for p in (FIXTURES / "llama_gqa" / "model.nnef.tgz", FIXTURES / "g
 
 @pytest.fixture(autouse=True)
 def _numpy_attention():
-    """The fused attention makes the unfused chain's NumPy calls (bit for bit), not the decode kernel's."""
+    """The fused attention and SwiGLU gate make the unfused chain's NumPy calls (bit for bit), not the
+    kernels'."""
     plan_attention.DECODE_KERNEL[0] = False
+    plan_patterns.GATE_KERNEL[0] = False
     yield
     plan_attention.DECODE_KERNEL[0] = True
+    plan_patterns.GATE_KERNEL[0] = True
 
 
 def _pair(model_fast, model_plain):
@@ -342,3 +348,87 @@ def test_the_attention_kernel_in_real_decodes(path, monkeypatch) -> None:
     att = sum(1 for n in s.plan.step_nodes if n.op == "attention")
     if att:
         assert calls.count(1) >= 3 * att, (att, calls)  # every decode step's attention took the kernel
+
+
+def _decoder_session(path) -> Session:
+    if path == "built-in":
+        return Session(build_decoder(DecoderConfig(cache="explicit", vocab=64, hidden=64, heads=4, kv_heads=2,
+                                                   head_dim=16, mlp=96)))
+    return Session(nnef_kv.load(path))
+
+
+@pytest.mark.skipif(not numba_available(), reason="numba is not installed (or NNEF_KV_NO_NUMBA=1)")
+@pytest.mark.parametrize("path", EXPORTS + ["built-in"], ids=lambda p: p if isinstance(p, str) else p.parent.name)
+def test_the_gate_kernel_in_real_decodes(path, monkeypatch) -> None:
+    """With the SwiGLU gate kernel on (the default), every call it makes while an export (or the built-in
+    decoder) prefills and decodes is within the kernel's error bound of the exact gate of the same inputs, and
+    every fused gate on float32 values takes it."""
+    plan_patterns.GATE_KERNEL[0] = True
+    x = np.zeros((1, 4), np.float32)
+    gate.silu_gate(x, x, np.empty_like(x))  # the plan then takes the compiled core
+    calls: list[tuple[int, ...]] = []
+    real_hot = gate.silu_gate.hot
+
+    def checking_hot():
+        fn = real_hot()
+        assert fn is not None and fn is not gate.silu_gate
+
+        def run(g, u, out):
+            fn(g, u, out)
+            ex, bound = gate.exact(g, u), gate.error_bound(g, u)
+            assert np.all(np.abs(out - ex) <= bound)
+            calls.append(g.shape)
+        return run
+
+    monkeypatch.setattr(gate.silu_gate, "hot", checking_hot)
+    s = _decoder_session(path)
+    sig = detect_signature(s.plan)
+    caches = sig.empty_caches() if sig.explicit else {}
+    for ids in (np.arange(6)[None], np.array([[3]]), np.array([[4]])):
+        out = s.run({sig.ids_input: ids.astype(np.int64), **caches})
+        if sig.explicit:
+            caches = {i: out[o] for i, o in sig.cache_outputs.items()}
+    gates = [st for st, n in zip(s.plan.steps, s.plan.step_nodes) if n.op == "silu_gate"]
+    slow = sum(st.fallbacks for st in gates)  # a gate on float16 values takes the unfused steps
+    assert len(calls) == 3 * len(gates) - slow, (len(gates), slow, calls)
+    assert path != "built-in" or (gates and not slow)
+
+
+def test_prefill_blocks_read_a_read_only_mask_once(monkeypatch) -> None:
+    """The cuts of a prefill's blocks are read off the graph's mask (a shape memo's value: read-only) once for
+    every layer and the next prefill of that length, and the result is the same bits as reading them each time;
+    a writeable mask (one a caller feeds and may change) is never remembered."""
+    from nnef_kv.kv import blocked
+
+    cfg = DecoderConfig(vocab=64, hidden=64, layers=3, heads=4, kv_heads=2, head_dim=16, mlp=96)
+    ids = np.random.default_rng(3).integers(0, 64, (1, 96)).astype(np.int64)
+    read: list[int] = []
+    real = blocked.mask_cut
+
+    def counting(mb):
+        read.append(mb.shape[2])
+        return real(mb)
+    monkeypatch.setattr(blocked, "mask_cut", counting)
+    s = Session(build_decoder(cfg))
+    sig = detect_signature(s.plan)
+    feed = {**sig.empty_caches(), sig.ids_input: ids}
+    first = s.run(feed)[sig.logits_output]
+    blocks = len(read)
+    assert blocks > 1  # one layer's blocks read the mask, the other two layers' took the cuts remembered
+    again = s.run(feed)[sig.logits_output]
+    assert len(read) == blocks  # the next prefill of this length: the memo's same mask object
+    plan_attention._CUTS[0] = None  # forgotten: every layer reads the mask
+    monkeypatch.setattr(plan_attention, "_mask_cuts", lambda mv: None)
+    fresh = s.run(feed)[sig.logits_output]
+    assert len(read) == blocks + 3 * blocks
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, fresh)
+    ro = np.zeros((4, 4), np.float32)
+    ro.flags.writeable = False
+    view = ro[None, None]
+    assert plan_attention._mask_cuts(view) is plan_attention._mask_cuts(view)
+    rw = np.zeros((4, 4), np.float32)
+    assert plan_attention._mask_cuts(rw) is None
+    ro_view_of_rw = rw[None, None]
+    ro_view_of_rw.flags.writeable = False
+    assert plan_attention._mask_cuts(ro_view_of_rw) is None  # its base may still change

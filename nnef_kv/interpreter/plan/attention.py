@@ -4,6 +4,7 @@ recognizer's (:func:`.recognize.attention_core`); :func:`match_attention` keeps 
 fast step runs bit for bit, with every inner value read inside the chain alone."""
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -14,7 +15,7 @@ from ..catalog import ops_having
 from ..graph import Node
 from ..values import Lazy
 from .chains import Flow
-from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, reshaped, scalarish
+from .matching import Match, Walk, attr_fn, frozen, is_f32, lazy_reads, pair, reshaped, same_objects, scalarish
 from .kv_caches import repeat_nodes
 from .recognize import attention_core
 from .view import View
@@ -24,8 +25,10 @@ __all__ = ["match_attention", "match_views", "DECODE_KERNEL"]
 #: ``[True]``: a call of at most :data:`nnef_kv.kernels.attend.MAX_ROWS` query rows (a decode step) runs on the
 #: numba kernel :func:`nnef_kv.kernels.attend.attend_rows` when numba is there: the same arithmetic in one call
 #: instead of a dozen NumPy calls, its sums in another order (within the kernel's error bound, not the unfused
-#: plan's bits). ``[False]``: every call runs the NumPy calls the unfused chain makes (the bit-for-bit
-#: comparisons of fused and unfused plans in tests/unit/test_patterns.py set it).
+#: plan's bits); a prefill taken in blocks of query rows turns each block's scores into probabilities with
+#: :func:`nnef_kv.kernels.attend.softmax_rows` (within its bound). ``[False]``: every call runs the NumPy calls
+#: the unfused chain makes (the bit-for-bit comparisons of fused and unfused plans in
+#: tests/unit/test_patterns.py set it).
 DECODE_KERNEL = [True]
 
 
@@ -76,12 +79,19 @@ def _repeats(kv: np.ndarray, tile: Node, reshapes: list[Node], v: list) -> int |
     return g if dims == [b, h * g, t, d] else None
 
 
+#: ``(text, slots read) of a reshape target -> (the objects it read, its value)``: every layer of a decode step
+#: evaluates the same target (``[1, 9, total_len, 64]``) on the same values (a shape memo's), so it is
+#: evaluated once a step instead of twice a layer; kept only when those objects cannot change (:func:`frozen`)
+_TARGETS: dict = {}
+
+
 class _RepeatCheck:
     """:func:`_repeats` of one repeat chain, with a shortcut for the form exporters write: static repeats
     ``[1, 1, g, 1, 1]`` and one reshape of the whole shape (``axis_start 0``, ``axis_count -1``) whose target
     (a run-time attribute: it holds the cache length) evaluates to four positive integers: then the chain
     repeats in place exactly when that target is ``[B, Hkv * g, T, D]`` (one attribute evaluation a step instead
-    of the general reshape rule's). Anything else takes :func:`_repeats`."""
+    of the general reshape rule's, shared by the layers, :data:`_TARGETS`). Anything else takes
+    :func:`_repeats`."""
 
     def __init__(self, tile: Node, reshapes: list[Node]) -> None:
         self.tile, self.reshapes = tile, reshapes
@@ -92,11 +102,27 @@ class _RepeatCheck:
                 and reshapes[0].attrs.get("axis_start", 0) == 0 and reshapes[0].attrs.get("axis_count", -1) == -1:
             self.g = reps[2]
             self.shape = attr_fn(reshapes[0], "shape", ())
+            lz = reshapes[0].attrs.get("shape")
+            self.lazy = lz if isinstance(lz, Lazy) and lz.reads is not None else None
+            self.key = (lz.text, tuple(lz.reads)) if self.lazy is not None else None
+
+    def _target(self, v: list) -> Any:
+        lz = self.lazy
+        if lz is None:
+            return self.shape(v)
+        objs = tuple([v[s] for s in lz.reads])
+        e = _TARGETS.get(self.key)
+        if e is not None and same_objects(objs, e[0]):
+            return e[1]
+        got = lz.fn(v)
+        if all(map(frozen, objs)):
+            _TARGETS[self.key] = (objs, got)  # one assignment: a thread reads the old pair or the new one
+        return got
 
     def __call__(self, kv: np.ndarray, v: list) -> int | None:
         if self.g:
             try:
-                target = self.shape(v)
+                target = self._target(v)
                 if len(target) == 4 and all(type(x) is int and x > 0 for x in target):
                     b, h, t, d = kv.shape
                     return self.g if target == [b, h * self.g, t, d] or tuple(target) == (b, h * self.g, t, d) \
@@ -116,18 +142,57 @@ def _rows_contiguous(x: np.ndarray) -> np.ndarray:
 
 
 def _attend_rows(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, mv: np.ndarray | None, g: int, scale: Any,
-                 spos: int, mpos: int) -> np.ndarray:
+                 spos: int, mpos: int, kt: np.ndarray | None = None, softmax: Any = None) -> np.ndarray:
     """The unfused chain's operations for the query rows of ``q [B, Hq, m, D]`` over ``kv, vv [B, Hkv, T, D]``
     (query head ``h`` reads kv head ``h // g``): scores, ``* scale``, ``+ mv`` (its rows of these queries),
-    softmax over the keys, the weighted sum (``[B, Hq, m, Dv]``)."""
+    softmax over the keys, the weighted sum (``[B, Hq, m, Dv]``). ``kt``: the keys as ``[B, Hkv, D, T]`` with
+    contiguous rows (a block of a prefill: its scores are then products of untransposed operands, which
+    BLAS runs about twice as fast at ``D = 64`` as the transposed view's; the same sums in another order).
+    ``softmax``: what :meth:`~nnef_kv.kernels.Kernel.hot` gave for :func:`nnef_kv.kernels.attend.softmax_rows`
+    (a block of a prefill), which then turns the scores into probabilities in one call."""
     b, hq, sq, d = q.shape
     hkv, t = kv.shape[1], kv.shape[2]
+    kT = np.swapaxes(kv, -1, -2) if kt is None else kt
     if g == 1:
-        s = np.matmul(q, np.swapaxes(kv, -1, -2))
+        s = np.matmul(q, kT)
         sv = s
     else:
-        s = np.matmul(q.reshape(b, hkv, g, sq, d), np.swapaxes(kv, -1, -2)[:, :, None])
+        s = np.matmul(q.reshape(b, hkv, g, sq, d), kT[:, :, None])
         sv = s.reshape(b, hq, sq, t)
+    if softmax is not None and (mv is None or attend.mask_readable(mv)):
+        if softmax is attend.softmax_rows:
+            softmax(sv, mv, None if scale is None else np.float32(scale.reshape(())))
+        else:
+            softmax(sv, attend.NO_MASK if mv is None else mv, np.float32(1 if scale is None else scale.reshape(())),
+                    scale is not None)
+    else:
+        _softmax(sv, mv, scale, spos, mpos)
+    if g == 1:
+        return np.matmul(s, vv)
+    return np.matmul(s, vv[:, :, None]).reshape(b, hq, sq, vv.shape[3])
+
+
+#: ``(weak reference to a mask, {(first row, end row): blocked.mask_cut of its rows})``: every layer of a prefill
+#: reads the same mask (one value of the run), so the blocks' cuts are read off it once, not once a layer
+_CUTS: list = [None]
+
+
+def _mask_cuts(mv: np.ndarray) -> dict | None:
+    """The cuts remembered for ``mv`` (a new empty dict when it is not the mask remembered), or None when its
+    values could change while it lives (not :func:`frozen`: a mask fed by the caller usually is not, and is then
+    read each time)."""
+    if not frozen(mv):
+        return None
+    e = _CUTS[0]
+    if e is not None and e[0]() is mv:
+        return e[1]
+    cuts: dict = {}
+    _CUTS[0] = (weakref.ref(mv), cuts)  # one assignment: a thread reads the old pair or the new one
+    return cuts
+
+
+def _softmax(sv: np.ndarray, mv: np.ndarray | None, scale: Any, spos: int, mpos: int) -> None:
+    """The unfused chain's calls from the scores to the probabilities, in place."""
     if scale is not None:
         if spos == 1:
             np.multiply(sv, scale, out=sv)
@@ -142,9 +207,6 @@ def _attend_rows(q: np.ndarray, kv: np.ndarray, vv: np.ndarray, mv: np.ndarray |
     np.subtract(sv, mx, out=sv)
     np.exp(sv, out=sv)
     np.divide(sv, np.sum(sv, axis=3, keepdims=True), out=sv)
-    if g == 1:
-        return np.matmul(s, vv)
-    return np.matmul(s, vv[:, :, None]).reshape(b, hq, sq, vv.shape[3])
 
 
 def _view(flow: Flow) -> View:
@@ -280,14 +342,24 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
         if bq >= sq:
             return _attend_rows(q, kv, vv_, mv, g, scale, spos, mpos)
         out = np.empty((b, hq, sq, vv_.shape[3]), np.float32)
+        kt = np.ascontiguousarray(np.swapaxes(kv, -1, -2))  # one copy of the keys, read by every block
+        sm = attend.softmax_rows.hot() if DECODE_KERNEL[0] and kernel else None
+        cuts = _mask_cuts(mv) if smax is not None else None
         for i0, i1 in blocked.row_ranges(sq, bq):  # a long prefill: the scores of a block of queries at a time
             mb = mv if mv is None or mv.shape[2] == 1 else mv[:, :, i0:i1]
-            c = t if smax is None else blocked.unseen_from(mb, smax)
+            c = t
+            if smax is not None:
+                cut_gap = cuts.get((i0, i1)) if cuts is not None else None
+                if cut_gap is None:
+                    cut_gap = blocked.mask_cut(mb)
+                    if cuts is not None:
+                        cuts[(i0, i1)] = cut_gap
+                c = blocked.unseen_given(cut_gap, smax, t)
             if c < t:
                 out[:, :, i0:i1] = _attend_rows(q[:, :, i0:i1], kv[:, :, :c], vv_[:, :, :c], mb[..., :c], g, scale,
-                                                spos, mpos)
+                                                spos, mpos, kt[..., :c], sm)
             else:
-                out[:, :, i0:i1] = _attend_rows(q[:, :, i0:i1], kv, vv_, mb, g, scale, spos, mpos)
+                out[:, :, i0:i1] = _attend_rows(q[:, :, i0:i1], kv, vv_, mb, g, scale, spos, mpos, kt, sm)
         return out
 
     return Match("attention", members, inputs, fast, root.outputs[0])
@@ -307,9 +379,9 @@ class _ViewPlan:
         self.entry: tuple | None = None
 
     def resolve(self, v: list, shape: tuple[int, ...]) -> list[tuple[str, Any]] | None:
-        objs = tuple(v[s] for s in self.reads)
+        objs = tuple([v[s] for s in self.reads])
         e = self.entry
-        if e is not None and e[0] == shape and len(objs) == len(e[1]) and all(a is b for a, b in zip(objs, e[1])):
+        if e is not None and e[0] == shape and same_objects(objs, e[1]):
             return e[2]
         dims: list[int] | None = list(shape)
         ops: list[tuple[str, Any]] | None = []

@@ -3,6 +3,7 @@ back from a root through steps read only inside the chain, and the run-time guar
 from __future__ import annotations
 
 import math
+import operator
 
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -95,6 +96,27 @@ def same_rank_broadcast(x: np.ndarray, w: Any) -> bool:
 def scalarish(c: Any, rank: int) -> bool:
     """An f32 constant of one value that NNEF's binary ops add or multiply as NumPy does for ``rank``."""
     return is_f32(c) and c.size == 1 and c.ndim in (0, rank)
+
+
+def same_objects(a: tuple, b: tuple) -> bool:
+    """The two tuples hold the same objects (``is``), in order: what the plan's memos of run-time attributes
+    compare (a shape memo hands out the same objects while shapes do not change)."""
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def frozen(x: Any) -> bool:
+    """``x`` cannot change while it lives, so what was computed from it may be remembered by its identity: an
+    int, float, str, bool or None, a NumPy scalar, or an array that is read-only, as is every array it views (a
+    shape memo's values are made read-only; a read-only view of a writeable array is not frozen)."""
+    if x is None or type(x) in (int, float, str, bool) or isinstance(x, np.generic):
+        return True
+    while isinstance(x, np.ndarray):
+        if x.flags.writeable:
+            return False
+        x = x.base
+        if x is None:
+            return True
+    return False
 
 
 def lazy_reads(node: Node) -> tuple[int, ...]:

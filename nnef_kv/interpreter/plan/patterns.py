@@ -7,6 +7,9 @@ the generic kernels' dtype/rank dispatch and the temporaries between them (``out
 own); when a guard on the run-time inputs does not hold (another dtype, a rank NNEF's alignment would pad,
 bounds other than a rotate-half split...) the original steps run. ``tests/unit/test_patterns.py`` compares the
 fused and unfused plans bit for bit on every torch-to-nnef export of the fixtures and on the built-in ones.
+Two fused forms call numba kernels that are not the NumPy calls' bits (the attention's decode step and prefill
+blocks, :data:`.attention.DECODE_KERNEL`; the SwiGLU gate, :data:`GATE_KERNEL`): those comparisons turn them
+off, and the same file checks each of their calls against the kernels' error bounds.
 
 * ``rms_norm``: ``mul(w, cast(mul(x, rsqrt(add(mean_reduce(sqr(x), [last]), eps)))))`` (``sqr(x)`` or
   ``mul(x, x)``; the cast to f32 and the weight optional; operands of each binary op in either order).
@@ -25,18 +28,18 @@ from typing import Any
 
 import numpy as np
 
-from ...kernels import rowwise
+from ...kernels import gate, rowwise
 from ..catalog import ops_having
 from ..graph import Graph, Node, slots_of
 from ..ops.nnef_std import _slice_bounds as _bounds
 from .attention import match_attention, match_views
 from .chains import Flow, chain_node, chain_step
-from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, same_rank_broadcast, scalarish
+from .matching import Match, Walk, attr_fn, is_f32, lazy_reads, pair, same_objects, same_rank_broadcast, scalarish
 from .steps import Step
 
 _F32 = np.dtype(np.float32)
 
-__all__ = ["fuse_patterns", "MATCHERS"]
+__all__ = ["fuse_patterns", "MATCHERS", "GATE_KERNEL"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -178,9 +181,9 @@ class _BoundsCache:
         self.entry: tuple | None = None
 
     def __call__(self, v: list, x: np.ndarray) -> tuple:
-        objs = tuple(v[s] for s in self.reads)
+        objs = tuple([v[s] for s in self.reads])
         e = self.entry
-        if e is not None and e[0] == x.shape and len(objs) == len(e[1]) and all(a is b for a, b in zip(objs, e[1])):
+        if e is not None and e[0] == x.shape and same_objects(objs, e[1]):
             return e[2]
         got = (_slice_bounds(self.n1, v, x), _slice_bounds(self.n2, v, x))
         self.entry = (x.shape, objs, got)
@@ -256,6 +259,13 @@ def match_rope(flow: Flow, k: int, taken: set[int]) -> Match | None:
 # ------------------------------------------------------------------------------------------------
 # silu gate
 # ------------------------------------------------------------------------------------------------
+#: ``[True]``: the fused SwiGLU gate runs on the numba kernel :func:`nnef_kv.kernels.gate.silu_gate` when numba is
+#: there (one pass instead of six NumPy calls; its exp is not NumPy's, so its results are within the kernel's
+#: error bound, not the unfused plan's bits). ``[False]``: the unfused chain's NumPy calls (the bit-for-bit
+#: comparisons of fused and unfused plans in tests/unit/test_patterns.py set it).
+GATE_KERNEL = [True]
+
+
 def match_silu_gate(flow: Flow, k: int, taken: set[int]) -> Match | None:
     root = flow.nodes[k]
     if root.op != "mul" or pair(root) is None:
@@ -277,11 +287,23 @@ def match_silu_gate(flow: Flow, k: int, taken: set[int]) -> Match | None:
     else:
         return None
     members = sorted(w_.members | {k})
+    kernel = flow.kernels
 
-    def fast(v: list, g=g, u=u, gpos=gpos, upos=upos) -> Any:
+    def fast(v: list, g=g, u=u, gpos=gpos, upos=upos, kernel=kernel) -> Any:
         gv, uv = v[g], v[u]
         if not (is_f32(gv) and is_f32(uv) and gv.shape == uv.shape):
             return NotImplemented
+        if kernel and GATE_KERNEL[0] and gv.ndim and gv.size:
+            core = gate.silu_gate.hot()
+            if core is not None:  # the kernel: one pass (see nnef_kv.kernels.gate), within its error bound
+                n = gv.shape[-1]
+                g2, u2 = gv.reshape(-1, n), uv.reshape(-1, n)
+                out = np.empty(gv.shape, np.float32)
+                if core is not gate.silu_gate:
+                    g2 = g2 if gate.readable(g2) else np.ascontiguousarray(g2)
+                    u2 = u2 if gate.readable(u2) else np.ascontiguousarray(u2)
+                core(g2, u2, out.reshape(-1, n))
+                return out
         t = np.negative(gv)
         with np.errstate(over="ignore"):
             np.exp(t, out=t)
