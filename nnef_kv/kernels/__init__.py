@@ -19,7 +19,8 @@ Kernels:
 * :mod:`nnef_kv.kernels.blockquant`: Q4_0 / Q8_1 weight products kept as blocks (``repack``,
   ``matvec``, ``matmul``; ``y = x @ W.T`` with ``W`` ``[N, K]`` as stored by tract).
 * :mod:`nnef_kv.kernels.gemv`: products of a few rows by an f32 weight (a decode step's).
-* :mod:`nnef_kv.kernels.attend`: a decode step's exact f32 attention in one call.
+* :mod:`nnef_kv.kernels.attend`: a decode step's exact f32 attention in one call; a prefill block's softmax.
+* :mod:`nnef_kv.kernels.gate`: SwiGLU's gate ``g * sigmoid(g) * u`` in one pass.
 * :mod:`nnef_kv.kernels.rowwise`: RMS norm and rotate-half RoPE rows, bit for bit NumPy's.
 * :mod:`nnef_kv.kv.kivi.kernels`: the KIVI decode-step attention on packed codes
   (``key_scores``, ``value_sum``, ``decode_attention``, ``attend``).
@@ -78,6 +79,23 @@ def _no_fresh_index(mod: str) -> bool:
 
 _numba_ok: bool | None = None  # None: not tried yet
 
+try:  # os.environ's own mapping of encoded names to encoded values (CPython's os._Environ)
+    _ENV_DATA: Any = os.environ._data  # type: ignore[attr-defined]
+    _ENV_KEY = os.environ.encodekey(NO_NUMBA_ENV)  # type: ignore[attr-defined]
+    _ENV_DECODE = os.environ.decodevalue  # type: ignore[attr-defined]
+except AttributeError:  # pragma: no cover - another os.environ
+    _ENV_DATA = None
+
+
+def _numba_off() -> bool:
+    """``NNEF_KV_NO_NUMBA=1`` in the environment now. Read from os.environ's own dict: ``os.environ.get`` encodes
+    the name and decodes the value on every call (1.4 us here), and a decode step asks about 180 times
+    (:meth:`Kernel.hot`); ``os.environ[...] = `` and ``del`` (and pytest's monkeypatch) update that dict."""
+    if _ENV_DATA is not None:
+        raw = _ENV_DATA.get(_ENV_KEY)
+        return raw is not None and _ENV_DECODE(raw).strip() == "1"
+    return os.environ.get(NO_NUMBA_ENV, "").strip() == "1"
+
 
 def numba_available() -> bool:
     """True when the numba kernels are used: numba imports and ``NNEF_KV_NO_NUMBA`` is not ``1``.
@@ -85,7 +103,7 @@ def numba_available() -> bool:
     numba is imported on the first call (not at import of nnef_kv); the result of that import is
     remembered, the environment variable is read every time."""
     global _numba_ok
-    if os.environ.get(NO_NUMBA_ENV, "").strip() == "1":
+    if _numba_off():
         return False
     if _numba_ok is None:
         try:
@@ -103,7 +121,7 @@ def numba_installed() -> bool:
     numba and LLVM (64 MiB of the process's memory, measured) before a kernel runs. A numba that is found
     but fails to import is found out at the first kernel call, which then runs the NumPy reference (the
     same results, its speed)."""
-    if os.environ.get(NO_NUMBA_ENV, "").strip() == "1":
+    if _numba_off():
         return False
     if _numba_ok is not None:
         return _numba_ok

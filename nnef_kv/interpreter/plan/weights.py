@@ -30,7 +30,7 @@ import numpy as np
 from ...tensors import hugepages
 from ...tensors.pages import _mapping_of, release_pages
 from ..graph import Node
-from .parallel import split_matmul
+from .parallel import few_rows, split_matmul
 from .steps import Step, has_lazy as _has_lazy, replace_steps
 
 __all__ = ["rewrite_weights", "fuse_projections", "place_weights", "MIN_HUGE_BYTES",
@@ -40,6 +40,9 @@ __all__ = ["rewrite_weights", "fuse_projections", "place_weights", "MIN_HUGE_BYT
 def _matmul_pretransposed(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
     """``a @ bt`` with the leading axes of ``a`` folded into rows: one 2-D BLAS call (split in two column
     halves across two threads when the session runs with ``threads = 2``, see :mod:`.parallel`)."""
+    got = few_rows(a, bt)  # a decode step's product
+    if got is not None:
+        return got
     if a.ndim > 2 and bt.ndim == 2 and a.flags.c_contiguous and a.dtype == bt.dtype:
         return split_matmul(a.reshape(-1, a.shape[-1]), bt).reshape(a.shape[:-1] + (bt.shape[1],))
     if a.ndim == 2 and bt.ndim == 2:
