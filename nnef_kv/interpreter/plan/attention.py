@@ -116,6 +116,8 @@ class _RepeatCheck:
             return e[1]
         got = lz.fn(v)
         if all(map(frozen, objs)):
+            if len(_TARGETS) > 1024:  # targets of plans long gone (a process planning many models)
+                _TARGETS.clear()
             _TARGETS[self.key] = (objs, got)  # one assignment: a thread reads the old pair or the new one
         return got
 
