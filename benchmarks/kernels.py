@@ -18,7 +18,7 @@ separately and printed, and kept out of the figures.
     python benchmarks/kernels.py --quick         # fewer rounds, T = 2048
     python benchmarks/kernels.py --only kivi     # or: --only weights
     python benchmarks/kernels.py --only q4row    # one-row Q4_0 core, old vs new, SmolLM2-135M shapes
-    python benchmarks/kernels.py --only decode   # a decode step's attention, RMS norm and RoPE kernels
+    python benchmarks/kernels.py --only decode   # the decoder-block kernels: attention, RMS, RoPE, gate
 
 (c) ``--only q4row``: the one-row Q4_0 core (the decode step's path) against a copy of the core it replaced
     (``_OLD_Q4_SRC`` below, kept here only), on one thread, on the Q4_0 linears of a SmolLM2-135M-shaped
@@ -30,9 +30,10 @@ separately and printed, and kept out of the figures.
 (d) ``--only decode``: the decode-step kernels against the NumPy calls the plan's fused forms make otherwise
     (their references), one thread: ``kernels.attend`` (SmolLM2-135M's 9 query heads on 3 kv heads x 64, one
     query row, a causal mask row, K/V read in place from a cache buffer with room to grow) at T keys, the
-    crossover behind ``attend.MAX_KEYS``; ``kernels.rowwise`` RMS norm (576 wide) and RoPE (9 heads x 64) at 1
-    and 512 rows (``_KERNEL_ROWS`` in ``interpreter/plan/patterns.py``). The compiled cores are timed (what a
-    plan step calls), the references as the plan calls them.
+    crossover behind ``attend.MAX_KEYS``; ``kernels.rowwise`` RMS norm (576 wide) and RoPE (9 heads x 64), and
+    ``kernels.gate`` (SwiGLU, 1536 wide, the halves of a stacked product) at 1 and 512 rows; a 512-token
+    prefill's blocks through ``attend.softmax_rows``. The compiled cores are timed (what a plan step calls), the
+    references as the plan calls them.
 """
 from __future__ import annotations
 
@@ -359,7 +360,7 @@ def speedup(mode: str, t: int, rounds: int) -> None:
 
 # ============================================================================ (d) decode-step kernels
 def bench_decode(rounds: int) -> None:
-    from nnef_kv.kernels import attend, rowwise
+    from nnef_kv.kernels import attend, gate, rowwise
 
     rng = np.random.default_rng(0)
     inner = 50
@@ -396,6 +397,33 @@ def bench_decode(rounds: int) -> None:
         r, tk, tn = paired(lambda: rope(xr, cs, cs, o), lambda: rowwise.rope_half.reference(xr, cs, cs, o),
                            rounds, inner)
         print(f"RoPE, 9 heads x {rows:3d} x 64: kernel {tk * 1e6:7.1f} us, NumPy {tn * 1e6:7.1f} us: {r:.2f}x")
+        gu = rng.standard_normal((rows, 3072)).astype(np.float32)
+        g, u = gu[:, :1536], gu[:, 1536:]  # the halves of a stacked gate|up product, as the plan has them
+        go, gr = np.empty((rows, 1536), np.float32), np.empty((rows, 1536), np.float32)
+        gate.silu_gate(g, u, go)
+        silu = gate.silu_gate.hot()
+        r, tk, tn = paired(lambda: silu(g, u, go), lambda: gate.silu_gate.reference(g, u, gr), rounds, inner)
+        print(f"SwiGLU gate, {rows:3d} x 1536: kernel {tk * 1e6:7.1f} us, NumPy {tn * 1e6:7.1f} us: {r:.2f}x")
+    # a 512-token prefill's attention blocks: 32 query rows of 9 heads over the keys they see, causal mask
+    mask = np.where(np.triu(np.ones((512, 512), bool), 1), np.float32(-3.4e38), np.float32(0))[None, None]
+    scores = {i0: rng.standard_normal((1, 9, 32, i0 + 32)).astype(np.float32) * 8 for i0 in range(0, 512, 32)}
+    work = {i0: s.copy() for i0, s in scores.items()}
+    sc = np.float32(0.125)
+    attend.softmax_rows(work[0], mask[:, :, :32, :32], sc)
+    smx = attend.softmax_rows.hot()
+
+    def blocks(kernel: bool) -> None:
+        for i0, s in scores.items():
+            w = work[i0]
+            np.copyto(w, s)
+            mb = mask[:, :, i0:i0 + 32, :i0 + 32]
+            if kernel:
+                smx(w, mb, sc, True)
+            else:
+                attend.softmax_rows.reference(w, mb, sc)
+    r, tk, tn = paired(lambda: blocks(True), lambda: blocks(False), rounds, 1)
+    print(f"block softmax, a 512-token prefill's 16 blocks of 9 x 32 rows (copies included): kernel "
+          f"{tk * 1e3:6.2f} ms, NumPy {tn * 1e3:6.2f} ms a layer: {r:.2f}x")
 
 
 def main(argv: list[str] | None = None) -> int:
