@@ -94,15 +94,21 @@ def attend_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | 
     b, hq, m, d = q.shape
     hkv, t = k.shape[1], k.shape[2]
     s = np.matmul(q.reshape(b, hkv, g, m, d), np.swapaxes(k, -1, -2)[:, :, None]).reshape(b, hq, m, t)
+    _numpy_softmax(s, mv, scale)
+    out[...] = np.matmul(s.reshape(b, hkv, g, m, t), v[:, :, None]).reshape(out.shape)
+
+
+def _numpy_softmax(s: np.ndarray, mask: np.ndarray | None, scale: Any) -> None:
+    """``s`` (4-D float32) becomes ``softmax(s * scale + mask)`` over its last axis, in place, by NumPy's calls:
+    the references of :func:`attend_rows` and :func:`softmax_rows`."""
     if scale is not None:
         np.multiply(s, np.float32(np.asarray(scale).reshape(())), out=s)
-    if mv is not None:
-        np.add(s, mv, out=s)
+    if mask is not None:
+        np.add(s, mask, out=s)
     with np.errstate(invalid="ignore", over="ignore"):
         np.subtract(s, np.max(s, axis=3, keepdims=True), out=s)
         np.exp(s, out=s)
         np.divide(s, np.sum(s, axis=3, keepdims=True), out=s)
-    out[...] = np.matmul(s.reshape(b, hkv, g, m, t), v[:, :, None]).reshape(out.shape)
 
 
 def _exact(q: np.ndarray, k: np.ndarray, v: np.ndarray, mask: np.ndarray | None, g: int,
@@ -164,14 +170,7 @@ def softmax_rows(s: np.ndarray, mask: np.ndarray | None, scale: Any, out: None =
     kernels' common signature). The compiled core: ``softmax_core(s, mask or NO_MASK, scale as f32, scaled)``,
     the mask :func:`mask_readable`."""
     _check_softmax(s, mask, scale)
-    if scale is not None:
-        np.multiply(s, np.float32(np.asarray(scale).reshape(())), out=s)
-    if mask is not None:
-        np.add(s, mask, out=s)
-    with np.errstate(invalid="ignore", over="ignore"):
-        np.subtract(s, np.max(s, axis=3, keepdims=True), out=s)
-        np.exp(s, out=s)
-        np.divide(s, np.sum(s, axis=3, keepdims=True), out=s)
+    _numpy_softmax(s, mask, scale)
 
 
 def _check_softmax(s: np.ndarray, mask: Any, scale: Any) -> None:
