@@ -305,6 +305,14 @@ def test_concat_order_is_the_layout_numpy_gives_concatenate(data, nd: int, count
     assert tuple(strides) == got.strides
 
 
+def _decoder_session(path) -> Session:
+    """A session of an export of the fixtures, or of the built-in explicit-cache GQA decoder."""
+    if path == "built-in":
+        return Session(build_decoder(DecoderConfig(cache="explicit", vocab=64, hidden=64, heads=4, kv_heads=2,
+                                                   head_dim=16, mlp=96)))
+    return Session(nnef_kv.load(path))
+
+
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed (or NNEF_KV_NO_NUMBA=1)")
 @pytest.mark.parametrize("path", EXPORTS + ["built-in"], ids=lambda p: p if isinstance(p, str) else p.parent.name)
 def test_the_attention_kernel_in_real_decodes(path, monkeypatch) -> None:
@@ -334,11 +342,7 @@ def test_the_attention_kernel_in_real_decodes(path, monkeypatch) -> None:
         return run
 
     monkeypatch.setattr(attend.attend_rows, "hot", checking_hot)
-    if path == "built-in":
-        s = Session(build_decoder(DecoderConfig(cache="explicit", vocab=64, hidden=64, heads=4, kv_heads=2,
-                                                head_dim=16, mlp=96)))
-    else:
-        s = Session(nnef_kv.load(path))
+    s = _decoder_session(path)
     sig = detect_signature(s.plan)
     caches = sig.empty_caches() if sig.explicit else {}
     for ids in (np.arange(6)[None], np.array([[3]]), np.array([[4]]), np.array([[1]])):
@@ -348,13 +352,6 @@ def test_the_attention_kernel_in_real_decodes(path, monkeypatch) -> None:
     att = sum(1 for n in s.plan.step_nodes if n.op == "attention")
     if att:
         assert calls.count(1) >= 3 * att, (att, calls)  # every decode step's attention took the kernel
-
-
-def _decoder_session(path) -> Session:
-    if path == "built-in":
-        return Session(build_decoder(DecoderConfig(cache="explicit", vocab=64, hidden=64, heads=4, kv_heads=2,
-                                                   head_dim=16, mlp=96)))
-    return Session(nnef_kv.load(path))
 
 
 @pytest.mark.skipif(not numba_available(), reason="numba is not installed (or NNEF_KV_NO_NUMBA=1)")
