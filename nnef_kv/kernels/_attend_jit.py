@@ -27,15 +27,15 @@ def _sum(a, n):
 
 @njit(**JIT_REASSOC)
 def _span(a):
-    """The elements ``a`` (4-D, :func:`~nnef_kv.kernels.attend.readable`) spans, from its first, as
-    one C-contiguous array, and its strides in elements: a cache's rows in a larger buffer indexed so that
-    the loops over a row vectorise (numba does not vectorise a strided array's loops)."""
+    """The elements a 4-D array spans, from its first, as one C-contiguous array, and its strides in elements
+    (broadcast axes of one entry, non-negative strides of whole elements: :func:`~nnef_kv.kernels.attend.readable`
+    for a cache, :func:`~nnef_kv.kernels.attend.mask_readable` for a mask): a cache's rows in a larger buffer
+    indexed so that the loops over a row vectorise (numba does not vectorise a strided array's loops)."""
     size = a.itemsize
-    st = (a.strides[0] // size, a.strides[1] // size, a.strides[2] // size)
+    st = (a.strides[0] // size, a.strides[1] // size, a.strides[2] // size, a.strides[3] // size)
     n = 1
-    for i in range(3):
+    for i in range(4):
         n += (a.shape[i] - 1) * st[i]
-    n += a.shape[3] - 1
     if a.size == 0:
         n = 0
     return carray(void_pointer(a.ctypes.data), (n,), np.float32), st
@@ -113,19 +113,6 @@ def attend_rows(q, k, v, mask, g, scale, out):
 
 
 @njit(**JIT_REASSOC)
-def _mask_span(a):
-    """:func:`_span` of a 4-D mask (broadcast axes of one entry, strides of any multiple of the item size)."""
-    size = a.itemsize
-    st = (a.strides[0] // size, a.strides[1] // size, a.strides[2] // size, a.strides[3] // size)
-    n = 1
-    for i in range(4):
-        n += (a.shape[i] - 1) * st[i]
-    if a.size == 0:
-        n = 0
-    return carray(void_pointer(a.ctypes.data), (n,), np.float32), st
-
-
-@njit(**JIT_REASSOC)
 def softmax_core(s, mask, scale, scaled):
     """``s [B, H, M, T]`` C-contiguous -> ``softmax(s * scale + mask)`` in place, per row: the scale and the mask
     in the first pass with the row's max (sixteen running maxima, so that the loop vectorises; a NaN anywhere
@@ -133,7 +120,7 @@ def softmax_core(s, mask, scale, scaled):
     wide_vectors()
     b_n, h_n, m_n, t_n = s.shape
     masked = mask.size > 0
-    mf, ms = _mask_span(mask)
+    mf, ms = _span(mask)
     mb, mh, mm, mt = mask.shape
     part = np.empty(16, np.float32)
     t16 = t_n // 16 * 16

@@ -35,7 +35,7 @@ def usable(a: np.ndarray, wt: np.ndarray) -> bool:
     """``a [m, K] @ wt [K, N]`` runs on :func:`rows_by_t`: few rows, ``wt`` the transposed view of a
     C-contiguous ``[N, K]`` weight, ``a`` C-contiguous, one dtype the kernel takes."""
     return (a.ndim == 2 and wt.ndim == 2 and 0 < a.shape[0] <= MAX_ROWS and a.dtype == wt.dtype
-            and a.dtype in DTYPES and wt.T.flags.c_contiguous and a.flags.c_contiguous
+            and a.dtype in DTYPES and wt.flags.f_contiguous and a.flags.c_contiguous
             and a.shape[1] == wt.shape[0])
 
 

@@ -201,28 +201,23 @@ def halves(a: np.ndarray, bt: np.ndarray) -> np.ndarray:
 
 
 def few_rows(a: np.ndarray, bt: np.ndarray) -> np.ndarray | None:
-    """``a [..., K] @ bt [K, N]`` (``a`` of rank 2 or more) when it runs on the few-row kernel (see
-    :func:`split_matmul`: at most :data:`~nnef_kv.kernels.gemv.MAX_ROWS` rows, ``bt`` the transposed view of a
-    C-contiguous float32/float64 ``[N, K]`` weight, ``a`` C-contiguous of its dtype), the leading axes kept:
-    the same call :func:`split_matmul` makes, with the checks a decode step's ~120 products need (2-3 us less
-    each). None when it does not apply."""
+    """``a [..., K] @ bt [K, N]`` (``a`` C-contiguous, of rank 2 or more) on the few-row kernel when
+    :func:`nnef_kv.kernels.gemv.usable` takes its rows (a decode step's product), the leading axes kept: the
+    kernel call :func:`split_matmul` makes, without its other checks (a decode step makes ~120 products).
+    None when it does not apply."""
     core = _FEW_ROWS[0]
-    if core is None or a.ndim < 2 or bt.ndim != 2 or not (a.flags.c_contiguous and bt.flags.f_contiguous) \
-            or a.dtype != bt.dtype or a.dtype.char not in "fd":
+    if core is None or a.ndim < 2 or not a.flags.c_contiguous or not a.shape[-1]:
         return None
-    k, n = bt.shape
-    if a.shape[-1] != k or k == 0:
+    a2 = a.reshape(-1, a.shape[-1])
+    if not gemv.usable(a2, bt):
         return None
-    m = a.size // k
-    if not 0 < m <= gemv.MAX_ROWS:
-        return None
-    a2, w = a.reshape(m, k), bt.T
+    w = bt.T
     if SPLITTER.active and w.nbytes >= MIN_ROWS_SPLIT_BYTES:
         out = SPLITTER.rows_by_t(a2, w)
     else:
-        out = np.empty((m, n), dtype=a.dtype)
-        core(a2, w, out, 0, n)
-    return out.reshape(a.shape[:-1] + (n,))
+        out = np.empty((a2.shape[0], w.shape[0]), dtype=a.dtype)
+        core(a2, w, out, 0, w.shape[0])
+    return out.reshape(a.shape[:-1] + (w.shape[0],))
 
 
 def split_matmul(a2d: np.ndarray, bt: np.ndarray) -> Any:
@@ -236,16 +231,10 @@ def split_matmul(a2d: np.ndarray, bt: np.ndarray) -> Any:
     576 x 1536 measured), and a result must not depend on the threads or the machine's load. A plain
     ``np.matmul`` for the others."""
     if a2d.ndim == 2 and bt.ndim == 2 and a2d.dtype == bt.dtype:
-        core = _FEW_ROWS[0]
-        if core is not None and a2d.shape[0] <= gemv.MAX_ROWS:
-            a = a2d if a2d.flags.c_contiguous else np.ascontiguousarray(a2d)
-            if gemv.usable(a, bt):
-                w = bt.T
-                if SPLITTER.active and w.nbytes >= MIN_ROWS_SPLIT_BYTES:
-                    return SPLITTER.rows_by_t(a, w)
-                out = np.empty((a.shape[0], w.shape[0]), dtype=a.dtype)
-                core(a, w, out, 0, w.shape[0])
-                return out
+        if _FEW_ROWS[0] is not None and a2d.shape[0] <= gemv.MAX_ROWS:
+            got = few_rows(a2d if a2d.flags.c_contiguous else np.ascontiguousarray(a2d), bt)
+            if got is not None:
+                return got
         if split_worth(a2d.shape[0], bt.shape[0], bt.shape[1], bt.itemsize):
             return SPLITTER.matmul(a2d, bt) if SPLITTER.active else halves(a2d, bt)
     return np.matmul(a2d, bt)
