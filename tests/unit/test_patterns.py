@@ -59,6 +59,21 @@ def _pair(model_fast, model_plain):
     return Session(model_fast), Session(model_plain)
 
 
+def _steps(plan) -> list:
+    """The plan's (step, node) pairs, a run's (:mod:`nnef_kv.interpreter.plan.dense`) or a segment's
+    (:mod:`~nnef_kv.interpreter.plan.segments`) replaced by its members'."""
+    return [pair for st, node in zip(plan.steps, plan.step_nodes)
+            for pair in (st.members if hasattr(st, "members") else [(st, node)])]
+
+
+def _step_nodes(plan) -> list:
+    return [n for _, n in _steps(plan)]
+
+
+def _step_ops(plan) -> list[str]:
+    return [n.op for n in _step_nodes(plan)]
+
+
 def _decode_both(a: Session, b: Session, prompt: np.ndarray, steps: int, caches: dict | None = None,
                  mutate=None) -> int:
     """Prompt then ``steps`` one-token calls on both sessions; every output equal. Returns the calls made."""
@@ -102,7 +117,7 @@ def test_the_chains_of_a_torch_to_nnef_llama_export_are_found() -> None:
     if not path.is_file():
         pytest.skip("fixture export not found")
     plan = get_plan(nnef_kv.load(path))
-    ops = [n.op for n in plan.step_nodes]
+    ops = _step_ops(plan)
     layers = 2
     assert ops.count("rms_norm") == 2 * layers + 1  # two a layer and the final norm
     assert ops.count("rope") == 2 * layers and ops.count("attention") == layers
@@ -113,7 +128,7 @@ def test_the_chains_of_a_torch_to_nnef_llama_export_are_found() -> None:
     # the GQA repeat (2 query heads a kv head) is read in place: its tiles run inside the attention chains'
     # fallback only
     assert "tile" not in ops
-    att = [m for m in plan.step_nodes if m.op == "attention"]
+    att = [m for m in _step_nodes(plan) if m.op == "attention"]
     assert all("tile" in [n.op for n in chain_members(m)] for m in att)
     plain = build_plan(plan.graph, fuse_ops=False, specialize_kernels=False)
     assert "tile" in [n.op for n in plain.step_nodes]
@@ -385,7 +400,7 @@ def test_the_gate_kernel_in_real_decodes(path, monkeypatch) -> None:
         out = s.run({sig.ids_input: ids.astype(np.int64), **caches})
         if sig.explicit:
             caches = {i: out[o] for i, o in sig.cache_outputs.items()}
-    gates = [st for st, n in zip(s.plan.steps, s.plan.step_nodes) if n.op == "silu_gate"]
+    gates = [st for st, n in _steps(s.plan) if n.op == "silu_gate"]
     slow = sum(st.fallbacks for st in gates)  # a gate on float16 values takes the unfused steps
     assert len(calls) == 3 * len(gates) - slow, (len(gates), slow, calls)
     assert path != "built-in" or (gates and not slow)

@@ -295,8 +295,51 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
     kcheck = _RepeatCheck(krep[2], krep[3]) if krep else None
     vcheck = _RepeatCheck(vrep[2], vrep[3]) if vrep else None
 
-    def fast(v: list, q_=q_slot, k_=kk, v_=vv, mask=mask, mpos=mpos, scale=scale, spos=spos, ax=ax,
-             krep=krep, vrep=vrep, sc=sc, kcheck=kcheck, vcheck=vcheck, kernel=kernel) -> Any:
+    def checks(v: list, q: np.ndarray, kv: Any, vv_: Any, krep=krep, kcheck=kcheck, vcheck=vcheck,
+               mask=mask) -> tuple[int, Any] | None:
+        """``(g, mask value)`` when the chain's fast form takes these 4-D f32 queries with these keys and
+        values (f32, 4-D, the grouped-query repeat in place, the mask broadcasting), else None."""
+        if not (is_f32(kv) and is_f32(vv_) and kv.ndim == 4 and vv_.ndim == 4):
+            return None
+        b, hq, sq, d = q.shape
+        b2, hkv, t, d2 = kv.shape
+        if krep is not None:
+            g = kcheck(kv, v)
+            if g is None or vcheck(vv_, v) != g:
+                return None
+        else:
+            g = 1
+        if (b2, d2) != (b, d) or vv_.shape[:3] != (b, hkv, t) or hkv * g != hq:
+            return None
+        mv = None
+        if mask is not None:
+            mv = v[mask]
+            if not (is_f32(mv) and mv.ndim == 4):
+                return None
+            m0, m1, m2, m3 = mv.shape  # broadcasting to [b, hq, sq, t]
+            if not ((m0 == b or m0 == 1) and (m1 == hq or m1 == 1) and (m2 == sq or m2 == 1) and (m3 == t or m3 == 1)):
+                return None
+        return g, mv
+
+    def decode(q: np.ndarray, kv: np.ndarray, vv_: np.ndarray, mv: Any, g: int, scale=scale, sc=sc,
+               kernel=kernel) -> np.ndarray | None:
+        """The decode kernel's result for checked operands (:func:`checks`) when it takes them, else None."""
+        sq, t = q.shape[2], kv.shape[2]
+        if sq <= attend.MAX_ROWS and 0 < t <= attend.MAX_KEYS and attend.readable(kv) and attend.readable(vv_):
+            core = attend.attend_rows.hot() if DECODE_KERNEL[0] and kernel else None
+            if core is not None:
+                out = np.empty(q.shape[:3] + vv_.shape[3:], np.float32)
+                if core is attend.attend_rows:
+                    core(q, kv, vv_, mv, g, None if scale is None else sc, out)
+                else:
+                    core(q, kv, vv_, attend.NO_MASK if mv is None else mv, g, sc, scale is not None, out)
+                return out
+        return None
+
+    static = ax in (-1, 3) and (scale is None or scalarish(scale, 4))
+
+    def fast(v: list, q_=q_slot, k_=kk, v_=vv, scale=scale, spos=spos, mpos=mpos, krep=krep, vrep=vrep,
+             checks=checks, decode=decode, static=static) -> Any:
         q, kv, vv_ = v[q_], v[k_], v[v_]
         if krep is not None and krep[1]:  # the chains read the unsqueezed [B, Hkv, 1, T, D] values
             if not (type(kv) is np.ndarray and kv.ndim == 5 and kv.shape[2] == 1 and type(vv_) is np.ndarray
@@ -305,34 +348,17 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
             kv, vv_ = kv[:, :, 0], vv_[:, :, 0]
         elif vrep is not None and vrep[1]:
             return NotImplemented
-        if not (is_f32(q) and is_f32(kv) and is_f32(vv_) and q.ndim == kv.ndim == vv_.ndim == 4):
+        if not (static and is_f32(q) and q.ndim == 4):
             return NotImplemented
-        if ax not in (-1, 3) or (scale is not None and not scalarish(scale, 4)):
+        got = checks(v, q, kv, vv_)
+        if got is None:
             return NotImplemented
+        g, mv = got
+        out = decode(q, kv, vv_, mv, g)
+        if out is not None:
+            return out
         b, hq, sq, d = q.shape
-        b2, hkv, t, d2 = kv.shape
-        if krep is not None:
-            g = kcheck(kv, v)
-            if g is None or vcheck(vv_, v) != g:
-                return NotImplemented
-        else:
-            g = 1
-        if (b2, d2) != (b, d) or vv_.shape[:3] != (b, hkv, t) or hkv * g != hq:
-            return NotImplemented
-        mv = None
-        if mask is not None:
-            mv = v[mask]
-            if not (is_f32(mv) and mv.ndim == 4 and all(x == y or x == 1 for x, y in zip(mv.shape, (b, hq, sq, t)))):
-                return NotImplemented
-        if sq <= attend.MAX_ROWS and 0 < t <= attend.MAX_KEYS and attend.readable(kv) and attend.readable(vv_):
-            core = attend.attend_rows.hot() if DECODE_KERNEL[0] and kernel else None
-            if core is not None:
-                out = np.empty((b, hq, sq, vv_.shape[3]), np.float32)
-                if core is attend.attend_rows:
-                    core(q, kv, vv_, mv, g, None if scale is None else sc, out)
-                else:
-                    core(q, kv, vv_, attend.NO_MASK if mv is None else mv, g, sc, scale is not None, out)
-                return out
+        t = kv.shape[2]
         if krep is not None:  # the unfused products read the tile's copies: [T, D] rows, contiguous
             kv, vv_ = _rows_contiguous(kv), _rows_contiguous(vv_)
         bq = blocked.row_block(b * hq * t * 4, sq)
@@ -364,7 +390,11 @@ def match_attention(flow: Flow, k: int, taken: set[int]) -> Match | None:
                 out[:, :, i0:i1] = _attend_rows(q[:, :, i0:i1], kv, vv_, mb, g, scale, spos, mpos, kt, sm)
         return out
 
-    return Match("attention", members, inputs, fast, root.outputs[0])
+    # what a segment (:mod:`.segments`) calls with the queries it made: the checks and the decode kernel, when
+    # the chains read the caches themselves (not unsqueezed) and the static attributes suit the fast form
+    plain = static and not (krep is not None and krep[1]) and not (vrep is not None and vrep[1])
+    parts = {"q": q_slot, "k": kk, "v": vv, "checks": checks, "decode": decode} if plain else None
+    return Match("attention", members, inputs, fast, root.outputs[0], parts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -440,4 +470,4 @@ def match_views(flow: Flow, k: int, taken: set[int]) -> Match | None:
             y = y.reshape(arg) if kind == "reshape" else y.transpose(arg)
         return y
 
-    return Match("view", members, [x], fast, root.outputs[0])
+    return Match("view", members, [x], fast, root.outputs[0], {"x": x, "plan": plan})

@@ -209,6 +209,7 @@ def rewrite_cache_concats(graph: Graph, steps: list[Step], nodes: list[Node]) ->
 
         def step(v: list, st: list, a: int = a, b: int = b, o: int = o, axis: int = axis, c: bool = c_order) -> None:
             v[o] = grow_concat([v[a], v[b]], axis, c)
+        step.grow = (a, b, o)  # type: ignore[attr-defined]  # read by the segments pass
         out[k] = step
         n += 1
     return out, n

@@ -178,6 +178,7 @@ def _memo_step(members: list[tuple[Step, Node]], key_slots: tuple[int, ...], sym
             vals.append(val)
         if key is not None:
             entry[0] = (key, vals)
+    step.shape_only = True  # type: ignore[attr-defined]  # reads only shapes: a run of .dense may defer it
     return step
 
 

@@ -21,6 +21,12 @@ node still to run) in graph order:
   (:mod:`.patterns`, ``Plan.elided`` again);
 * :func:`cache_append` -- ``concat([in_cache, new])`` returned as a graph output grows a buffer in place
   when the input is the previous call's output (:mod:`.cache_append`);
+* :func:`segments` -- a layer's query / key / value views, RoPEs and cache appends run as one step with the
+  attention they feed, the checks of the views and RoPEs made once while the operands' shapes do not change
+  (:mod:`.segments`);
+* :func:`dense` -- runs of products by constant weights, residual adds, RMS norms and SwiGLU gates become one
+  step that replays them in one kernel call while its inputs are one row of the shapes it checked
+  (:mod:`.dense`);
 * :func:`liveness` -- the slots each step is the last to read are dropped after it (:mod:`.liveness`).
 
 :func:`~.execute.execute` runs the steps; a session holds only per-run values and the states of
@@ -347,7 +353,13 @@ def steps(d: Draft) -> None:
             d.block_products[id(node)] = item.kernel
             d.info["block_products"] = d.info.get("block_products", 0) + 1
         kernel = item.kernel if item.state is None else (node.prim.kernel or (lambda *a: None))
-        d.steps.append(make_step(node, kernel, list(item.ins), item.attrs, item.state, d.base))
+        step = make_step(node, kernel, list(item.ins), item.attrs, item.state, d.base)
+        if item.rewritten and item.kernel in (W._matmul_pretransposed, W._linear_pretransposed) \
+                and isinstance(ins[0], int) and (item.kernel is W._matmul_pretransposed or ins[2] is None) \
+                and len(node.outputs) == 1 and isinstance(node.outputs[0], int):
+            wt = ins[1][1]  # a product by a constant weight, no bias: what a run of .dense may replay
+            step.product = (ins[0], wt, ((node.outputs[0], 0, wt.shape[-1]),))  # type: ignore[attr-defined]
+        d.steps.append(step)
         d.step_nodes.append(node)
 
 
@@ -392,6 +404,30 @@ def cache_append(d: Draft) -> None:
     d.info["cache_appends"] = n
 
 
+def segments(d: Draft) -> None:
+    """A layer's q/k/v views, RoPEs and cache appends become one step with their attention (see
+    :mod:`.segments`)."""
+    from .segments import segments_of
+
+    if not d.flags["prepare_weights"]:  # a check's plan runs no kernels
+        return
+    d.steps, d.step_nodes, elided, n = segments_of(d.graph, d.steps, d.step_nodes, d.base)
+    d.elided |= elided
+    d.info["attention_segments"] = n
+
+
+def dense(d: Draft) -> None:
+    """Runs of products, residual adds, RMS norms and SwiGLU gates become one step replaying them in one
+    kernel call on a decode step's row (see :mod:`.dense`)."""
+    from .dense import dense_runs
+
+    if not d.flags["prepare_weights"]:  # a check's plan runs no kernels
+        return
+    d.steps, d.step_nodes, elided, n = dense_runs(d.graph, d.steps, d.step_nodes, d.base)
+    d.elided |= elided
+    d.info["dense_runs"] = n
+
+
 def liveness(d: Draft) -> None:
     # block weights no product took: dequantized, as before (a check's plan dequantizes them at each call)
     n = B.materialize(d.step_nodes, d.base) if d.flags["prepare_weights"] else 0
@@ -405,7 +441,8 @@ def liveness(d: Draft) -> None:
 PASSES: tuple[tuple[Callable[[Draft], None], str | None], ...] = (
     (nested, None), (fold, "fold_constants"), (fuse, "fuse_ops"), (weights, None),
     (specialize, "specialize_kernels"), (steps, None), (projections, "fuse_projections"), (memo, "specialize_kernels"),
-    (patterns, "fuse_ops"), (cache_append, "specialize_kernels"), (liveness, None),
+    (patterns, "fuse_ops"), (cache_append, "specialize_kernels"), (segments, "fuse_ops"),
+    (dense, "fuse_ops"), (liveness, None),
 )
 
 

@@ -28,6 +28,8 @@ class Match:
     inputs: list[int]  # external input slots
     fast: Callable[[list], Any]
     out: int
+    #: what a later pass reads of the chain (:mod:`.dense`): its slots and its guard
+    parts: dict[str, Any] | None = None
 
 
 def attr_fn(node: Node, name: str, default: Any = None) -> Callable[[list], Any]:

@@ -94,12 +94,17 @@ def match_rms_norm(flow: Flow, k: int, taken: set[int]) -> Match | None:
     eps32 = np.float32(eps.reshape(())) if isinstance(eps, np.ndarray) and eps.size == 1 else None
     wvec = (rowwise.NO_WEIGHT if weight is None else _weight_row(weight)) if flow.kernels else None
 
-    def fast(v: list, x=x, ax=ax, eps=eps, epos=epos, xpos=xpos, weight=weight, wpos=wpos, eps32=eps32,
-             wvec=wvec) -> Any:
-        xv = v[x]
+    def fits(xv: Any, ax=ax, eps=eps, weight=weight) -> bool:
+        """The fast form runs (else the member steps): f32 ``x``, the norm over its last axis, one eps, the
+        weight broadcasting into ``x``."""
         if not is_f32(xv) or not xv.ndim or ax not in (-1, xv.ndim - 1) or not scalarish(eps, xv.ndim):
-            return NotImplemented
-        if weight is not None and not same_rank_broadcast(xv, weight):
+            return False
+        return weight is None or same_rank_broadcast(xv, weight)
+
+    def fast(v: list, x=x, eps=eps, epos=epos, xpos=xpos, weight=weight, wpos=wpos, eps32=eps32, wvec=wvec,
+             fits=fits) -> Any:
+        xv = v[x]
+        if not fits(xv):
             return NotImplemented
         n = xv.shape[-1]
         if wvec is not None and wvec.size in (0, n) and n and xv.flags.c_contiguous:
@@ -131,7 +136,10 @@ def match_rms_norm(flow: Flow, k: int, taken: set[int]) -> Match | None:
             np.divide(np.float32(1), m, out=m)
         return _times_weight(np.multiply(xv, m) if xpos == 0 else np.multiply(m, xv), weight, wpos)
 
-    return Match("rms_norm", members, [x], fast, root.outputs[0])
+    # the kernel path (fits, wvec of size 0 or n, n > 0, a C-contiguous x, the core hot): what a run of
+    # :mod:`.dense` replays
+    parts = {"x": x, "fits": fits, "eps32": eps32, "wvec": wvec}
+    return Match("rms_norm", members, [x], fast, root.outputs[0], parts)
 
 
 def _weight_row(weight: np.ndarray) -> np.ndarray | None:
@@ -226,17 +234,22 @@ def match_rope(flow: Flow, k: int, taken: set[int]) -> Match | None:
     members = sorted(w_.members | {k})
     kernel = flow.kernels
 
-    def fast(v: list, x=x, cos=cos, sin=sin, cpos=cpos, spos=spos, apos=apos, axis=axis, bounds=bounds,
-             kernel=kernel) -> Any:
-        xv, cv, sv = v[x], v[cos], v[sin]
+    def fits(v: list, xv: Any, cv: Any, sv: Any, axis=axis, bounds=bounds) -> bool:
+        """The fast form runs (else the member steps): f32 operands of one rank, cos and sin broadcasting into
+        ``x``, the slices splitting the last axis in halves."""
         if not (is_f32(xv) and xv.ndim and same_rank_broadcast(xv, cv) and same_rank_broadcast(xv, sv)):
-            return NotImplemented
+            return False
         d = xv.shape[-1]
-        h = d // 2
         if axis not in (-1, xv.ndim - 1) or d % 2:
+            return False
+        h = d // 2
+        return bounds(v, xv) == ((xv.ndim - 1, 0, h), (xv.ndim - 1, h, d))
+
+    def fast(v: list, x=x, cos=cos, sin=sin, cpos=cpos, spos=spos, apos=apos, fits=fits, kernel=kernel) -> Any:
+        xv, cv, sv = v[x], v[cos], v[sin]
+        if not fits(v, xv, cv, sv):
             return NotImplemented
-        if bounds(v, xv) != ((xv.ndim - 1, 0, h), (xv.ndim - 1, h, d)):
-            return NotImplemented
+        h = xv.shape[-1] // 2
         if kernel and xv.ndim == 4:
             core = rowwise.rope_half.hot()
             if core is not None:  # the kernel: the same operations in one call (see nnef_kv.kernels.rowwise)
@@ -253,7 +266,9 @@ def match_rope(flow: Flow, k: int, taken: set[int]) -> Match | None:
             np.multiply(sv, r, out=r)
         return np.add(c, r, out=c) if apos == 0 else np.add(r, c, out=c)
 
-    return Match("rope", members, [x, cos, sin], fast, root.outputs[0])
+    # the kernel path (fits, the kernel and a 4-D x, the core hot): what a segment replays (:mod:`.segments`)
+    parts = {"x": x, "cosine": cos, "sine": sin, "fits": fits, "reads": bounds.reads, "kernel": kernel}
+    return Match("rope", members, [x, cos, sin], fast, root.outputs[0], parts)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,7 +330,8 @@ def match_silu_gate(flow: Flow, k: int, taken: set[int]) -> Match | None:
             np.multiply(t, gv, out=t)
         return np.multiply(t, uv, out=t) if upos == 0 else np.multiply(uv, t, out=t)
 
-    return Match("silu_gate", members, [g, u], fast, root.outputs[0])
+    # the kernel path (f32 g and u of one shape, not empty, GATE_KERNEL, the core hot): what :mod:`.dense` replays
+    return Match("silu_gate", members, [g, u], fast, root.outputs[0], {"g": g, "u": u, "kernel": kernel})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -338,8 +354,11 @@ def match_same_dtype_cast(flow: Flow, k: int, taken: set[int]) -> Match | None:
         return None
     prod_k, prod = got
     y = prod.outputs[0]
+    # an add's result cast to its own dtype (a residual add of torch-to-nnef's exports): a run of .dense adds it
+    plain_add = prod.op == "add" and not prod.attrs and len(prod.inputs) == 2 and all(isinstance(i, int)
+                                                                                      for i in prod.inputs)
     return Match("cast", [prod_k, k], [s for spec in prod.inputs for s in slots_of(spec)], ("alias", prod_k, y),
-                 root.outputs[0])
+                 root.outputs[0], {"add": tuple(prod.inputs)} if plain_add else None)
 
 
 MATCHERS = (match_rms_norm, match_rope, match_silu_gate, match_attention, match_views, match_same_dtype_cast)
@@ -398,7 +417,9 @@ def fuse_patterns(graph: Graph, steps: list[Step], nodes: list[Node], base: list
         if m is not None:
             ms = [(steps[i], nodes[i]) for i in m.members]
             node = chain_node(m.op, [nodes[i] for i in m.members], m.inputs)
-            new_steps.append(chain_step(ms, m.fast, m.out))
+            step = chain_step(ms, m.fast, m.out)
+            step.match = m  # type: ignore[attr-defined]  # read by the dense pass
+            new_steps.append(step)
             new_nodes.append(node)
             counts[m.op] = counts.get(m.op, 0) + 1
             elided.update(s for i in m.members[:-1] for s in nodes[i].outputs)
