@@ -20,7 +20,7 @@ from .kv_caches import repeat_nodes
 from .recognize import attention_core
 from .view import View
 
-__all__ = ["match_attention", "match_views", "DECODE_KERNEL"]
+__all__ = ["match_attention", "match_views", "apply_view", "DECODE_KERNEL"]
 
 #: ``[True]``: a call of at most :data:`nnef_kv.kernels.attend.MAX_ROWS` query rows (a decode step) runs on the
 #: numba kernel :func:`nnef_kv.kernels.attend.attend_rows` when numba is there: the same arithmetic in one call
@@ -436,6 +436,13 @@ class _ViewPlan:
         return ops
 
 
+def apply_view(y: np.ndarray, ops: list[tuple[str, Any]]) -> np.ndarray:
+    """``y`` through the NumPy views :meth:`_ViewPlan.resolve` gave."""
+    for kind, arg in ops:
+        y = y.reshape(arg) if kind == "reshape" else y.transpose(arg)
+    return y
+
+
 def match_views(flow: Flow, k: int, taken: set[int]) -> Match | None:
     """``reshape`` / ``transpose`` steps chained through values read by the next one alone (two at least,
     or one reshape with run-time attributes): one step applying the same NumPy views."""
@@ -466,8 +473,6 @@ def match_views(flow: Flow, k: int, taken: set[int]) -> Match | None:
         ops = plan.resolve(v, y.shape)
         if ops is None:
             return NotImplemented
-        for kind, arg in ops:
-            y = y.reshape(arg) if kind == "reshape" else y.transpose(arg)
-        return y
+        return apply_view(y, ops)
 
     return Match("view", members, [x], fast, root.outputs[0], {"x": x, "plan": plan})

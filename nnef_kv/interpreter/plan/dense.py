@@ -35,7 +35,7 @@ from ...kernels import gate, rowwise
 from ..graph import Node, slots_of
 from ..values import Lazy
 from .chains import Flow, chain_members, chain_node
-from .execute import node_error
+from .execute import run_members
 from .parallel import MIN_ROWS_SPLIT_BYTES, _FEW_ROWS
 from .patterns import GATE_KERNEL
 from .steps import Step
@@ -217,11 +217,7 @@ class Run:
                 if prog is not None and self._replay(v, st, xs, prog, core):
                     return
         self.member_runs += 1
-        for s, nd in self.members:
-            try:
-                s(v, st)
-            except Exception as exc:
-                raise node_error(nd, exc) from exc
+        run_members(self.members, v, st)
 
     def _replay(self, v: list, st: list, xs: list, prog: tuple, core: Any) -> bool:
         """Run the program; False (nothing written) when the kernel's first call found numba unable to compile
@@ -240,12 +236,8 @@ class Run:
         for slot, j, full, lo, hi in exports:
             y = outs[j].reshape(full)
             v[slot] = y if (lo, hi) == (0, full[-1]) else y[..., lo:hi]
-        for i in self.deferred:  # shape-only steps among the members: they read the values just written
-            s, nd = self.members[i]
-            try:
-                s(v, st)
-            except Exception as exc:
-                raise node_error(nd, exc) from exc
+        # shape-only steps among the members: they read the values just written
+        run_members([self.members[i] for i in self.deferred], v, st)
         return True
 
 

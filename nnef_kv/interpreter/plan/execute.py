@@ -15,7 +15,7 @@ from .steps import Step
 if TYPE_CHECKING:
     from .core import Plan
 
-__all__ = ["execute", "node_error", "bind_inputs", "check_assertions"]
+__all__ = ["execute", "node_error", "run_members", "bind_inputs", "check_assertions"]
 
 
 def node_error(node: Node, exc: BaseException) -> NnefKvError:
@@ -39,6 +39,15 @@ def node_error(node: Node, exc: BaseException) -> NnefKvError:
     err.node = node.name  # type: ignore[attr-defined]
     err.location = node.location  # type: ignore[attr-defined]
     return err
+
+
+def run_members(members: list[tuple[Step, Node]], v: list, st: list) -> None:
+    """Run ``(step, node)`` pairs in order (a fused step's members), an error named by the member's node."""
+    for s, nd in members:
+        try:
+            s(v, st)
+        except Exception as exc:
+            raise node_error(nd, exc) from exc
 
 
 def execute(plan: Plan, v: list, st: list, keep: frozenset[int] = frozenset(), threads: int = 1,

@@ -29,7 +29,8 @@ import numpy as np
 from ...kernels import rowwise
 from ..graph import Node, slots_of
 from .chains import Flow, chain_node, chain_members
-from .execute import node_error
+from .attention import apply_view
+from .execute import run_members
 from .matching import lazy_reads, same_objects
 from .steps import Step
 
@@ -75,10 +76,8 @@ class Segment:
             got = plan.resolve(v, y.shape)
             if got is None:
                 return None
-            for kind, arg in got:
-                y = y.reshape(arg) if kind == "reshape" else y.transpose(arg)
             ops.append(got)
-            made.append(y)
+            made.append(apply_view(y, got))
         for _, cos, sin, _, fits, vi in self.ropes:
             xv = made[vi]
             if not (fits(v, xv, v[cos], v[sin]) and xv.ndim == 4):
@@ -98,41 +97,25 @@ class Segment:
                 self._replay(v, st, e[2], core)
                 return
         self.member_runs += 1
-        for s, nd in self.members:
-            try:
-                s(v, st)
-            except Exception as exc:
-                raise node_error(nd, exc) from exc
+        run_members(self.members, v, st)
 
     def _replay(self, v: list, st: list, ops: tuple, core: Any) -> None:
         made = []
         for (x, out, _), got in zip(self.views, ops):
-            y = v[x]
-            for kind, arg in got:
-                y = y.reshape(arg) if kind == "reshape" else y.transpose(arg)
-            v[out] = y
+            v[out] = y = apply_view(v[x], got)
             made.append(y)
         for _, cos, sin, out, _, vi in self.ropes:
             xv = made[vi]
             r = np.empty_like(xv)  # what the RoPE chain's kernel path makes (the input's order)
             core(xv, v[cos], v[sin], r)
             v[out] = r
-        for i in self.order:
-            s, nd = self.members[i]
-            try:
-                s(v, st)
-            except Exception as exc:
-                raise node_error(nd, exc) from exc
+        run_members([self.members[i] for i in self.order], v, st)
         a = self.attention
         q, kv, vv = v[a["q"]], v[a["k"]], v[a["v"]]
         got = a["checks"](v, q, kv, vv)
         out = a["decode"](q, kv, vv, got[1], got[0]) if got is not None else None
         if out is None:  # another path of the attention (its own checks again): its step
-            s, nd = self.members[-1]
-            try:
-                s(v, st)
-            except Exception as exc:
-                raise node_error(nd, exc) from exc
+            run_members(self.members[-1:], v, st)
             return
         v[self.members[-1][1].outputs[0]] = out
 
