@@ -247,3 +247,25 @@ def test_run_ops_refuses_a_bad_program(edit, match) -> None:
     ins = (np.zeros((1, 8), np.float32), np.zeros((1, 8), np.float32))
     with pytest.raises(ValueError, match=match):
         kdense.run_ops(code, eps, weights, ins, outs)
+
+
+def test_run_products_read_the_weights_their_steps_read(tmp_path, monkeypatch) -> None:
+    """A product's weight memory-mapped from a ``.tar`` is copied into huge pages by the plan (its step reads the
+    copy); the run's program reads that copy too, not the archive's pages."""
+    from nnef_kv.interpreter.plan import weights as plan_weights
+    from nnef_kv.tensors import hugepages
+
+    monkeypatch.setattr(plan_weights, "MIN_HUGE_BYTES", 1)  # the small decoder's weights move too
+    monkeypatch.delenv(hugepages.ENV, raising=False)
+    cfg = DecoderConfig(cache="explicit", kv_heads=2, layers=2, **SMALL)
+    path = nnef_kv.save(build_decoder(cfg), tmp_path / "m.tar")
+    s = Session(nnef_kv.load(path))
+    moved = 0
+    for run in (r for r in _replays(s.plan) if isinstance(r, Run)):
+        steps = [st_ for st_, _ in run.members if hasattr(st_, "product")]
+        for step, op in zip(steps, [op for op in run.ops if op.kind == "product"]):
+            slot = step.product[1]
+            if isinstance(slot, int):  # a single product: its weight is the step's constant at that slot
+                assert np.shares_memory(op.w, s.plan.base[slot])
+                moved += hugepages.holds(plan_weights._root(s.plan.base[slot]))
+    assert moved >= 2 * cfg.layers - 1  # the output and down projections (the last layer's o at least)

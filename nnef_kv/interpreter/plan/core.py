@@ -353,12 +353,14 @@ def steps(d: Draft) -> None:
             d.block_products[id(node)] = item.kernel
             d.info["block_products"] = d.info.get("block_products", 0) + 1
         kernel = item.kernel if item.state is None else (node.prim.kernel or (lambda *a: None))
+        at = len(d.base)  # where make_step puts the step's first constant (a product's weight)
         step = make_step(node, kernel, list(item.ins), item.attrs, item.state, d.base)
         if item.rewritten and item.kernel in (W._matmul_pretransposed, W._linear_pretransposed) \
                 and isinstance(ins[0], int) and (item.kernel is W._matmul_pretransposed or ins[2] is None) \
                 and len(node.outputs) == 1 and isinstance(node.outputs[0], int):
-            wt = ins[1][1]  # a product by a constant weight, no bias: what a run of .dense may replay
-            step.product = (ins[0], wt, ((node.outputs[0], 0, wt.shape[-1]),))  # type: ignore[attr-defined]
+            # a product by a constant weight, no bias: what a run of .dense may replay. The weight by its slot:
+            # the projections pass may move it into huge pages (W.place_weights), and the step reads it there
+            step.product = (ins[0], at, ((node.outputs[0], 0, ins[1][1].shape[-1]),))  # type: ignore[attr-defined]
         d.steps.append(step)
         d.step_nodes.append(node)
 

@@ -57,11 +57,13 @@ class _Member:
         self.__dict__.update(kw)
 
 
-def _member(step: Step, node: Node) -> _Member | None:
+def _member(step: Step, node: Node, base: list[Any]) -> _Member | None:
     """The step as a run member, or None."""
     p = getattr(step, "product", None)
     if p is not None:
         x, wt, parts = p
+        if isinstance(wt, int):  # the weight's slot: the array the step reads (in huge pages when moved there)
+            wt = base[wt]
         if (isinstance(x, int) and isinstance(wt, np.ndarray) and wt.dtype == _F32 and wt.ndim == 2
                 and wt.flags.f_contiguous and 0 < wt.nbytes < MIN_ROWS_SPLIT_BYTES and wt.shape[0] > 0):
             return _Member("product", [x], [o for o, _, _ in parts], w=wt.T, parts=parts)
@@ -265,7 +267,7 @@ def dense_runs(graph: Any, steps: list[Step], nodes: list[Node], base: list[Any]
         later: set[int] = set()  # outputs of the shape-only steps among them (run after a replay)
         j = i
         while j < len(steps):
-            m = _member(steps[j], nodes[j])
+            m = _member(steps[j], nodes[j], base)
             if m is not None and not later.intersection(m.ins):
                 ops.append(m)
                 at.append(j)

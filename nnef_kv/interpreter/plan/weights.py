@@ -209,7 +209,8 @@ def fuse_projections(steps: list[Step], step_nodes: list[Node],
             for o, a, b in parts:
                 v[o] = y[..., a:b]
 
-        step.product = (x, wt, tuple(parts))  # type: ignore[attr-defined]  # read by the dense pass
+        step.product = (x, wt, tuple(parts))  # type: ignore[attr-defined]  # read by the dense pass (the array: the
+        # step reads this one, in huge pages or not)
         replace[members[0][0]] = (step, node)
         drop.update(m[0] for m in members[1:])
         for m in members:  # the separate transposed weights are not used any more
