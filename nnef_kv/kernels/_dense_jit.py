@@ -16,7 +16,6 @@ from ._rowwise_jit import rms_core
 __all__ = ["run_ops", "run_core", "weight_list"]
 
 _ROW2 = types.float32[:, ::1]
-_NO_WEIGHT = np.zeros((1, 0), np.float32)
 
 
 @njit(**JIT)

@@ -435,6 +435,14 @@ class _ViewPlan:
         self.entry = (shape, objs, ops)
         return ops
 
+    def apply(self, v: list, y: Any) -> tuple[list[tuple[str, Any]], np.ndarray] | None:
+        """``(ops, y through them)`` for an array ``y`` whose shape the chain resolves (:meth:`resolve`), else
+        None."""
+        if type(y) is not np.ndarray:
+            return None
+        ops = self.resolve(v, y.shape)
+        return None if ops is None else (ops, apply_view(y, ops))
+
 
 def apply_view(y: np.ndarray, ops: list[tuple[str, Any]]) -> np.ndarray:
     """``y`` through the NumPy views :meth:`_ViewPlan.resolve` gave."""
@@ -467,12 +475,7 @@ def match_views(flow: Flow, k: int, taken: set[int]) -> Match | None:
     members = sorted(w_.members | {k})
 
     def fast(v: list, x=x, plan=plan) -> Any:
-        y = v[x]
-        if type(y) is not np.ndarray:
-            return NotImplemented
-        ops = plan.resolve(v, y.shape)
-        if ops is None:
-            return NotImplemented
-        return apply_view(y, ops)
+        got = plan.apply(v, v[x])
+        return NotImplemented if got is None else got[1]
 
     return Match("view", members, [x], fast, root.outputs[0], {"x": x, "plan": plan})

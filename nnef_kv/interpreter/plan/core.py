@@ -341,25 +341,24 @@ def steps(d: Draft) -> None:
         if item.state is None and item.kernel is None:
             raise GraphError(f"{node.location}: operation '{node.op}' has no kernel (node '{node.name}')")
         ins = item.ins
+        at = len(d.base)  # where make_step puts the step's first constant (a product's weight)
+        product = False  # a product by a constant weight, no bias, one output: projections and .dense take it
         if item.rewritten and item.kernel in (W._matmul_pretransposed, W._linear_pretransposed) \
                 and isinstance(ins[0], int):
-            # the weight, ("const", wt) after an input slot, is the step's first constant: make_step puts it at
-            # len(d.base)
-            d.weight_slots.append(len(d.base))
-            if (item.kernel is W._matmul_pretransposed or ins[2] is None) and len(node.outputs) == 1 \
-                    and isinstance(node.outputs[0], int):
-                d.projections.append((len(d.steps), ins[0], ins[1][1], node.outputs[0], len(d.base)))
+            # the weight, ("const", wt) after an input slot, is the step's first constant
+            d.weight_slots.append(at)
+            product = (item.kernel is W._matmul_pretransposed or ins[2] is None) and len(node.outputs) == 1 \
+                and isinstance(node.outputs[0], int)
+            if product:
+                d.projections.append((len(d.steps), ins[0], ins[1][1], node.outputs[0], at))
         if isinstance(item.kernel, B.BlockLinear):
             d.block_products[id(node)] = item.kernel
             d.info["block_products"] = d.info.get("block_products", 0) + 1
         kernel = item.kernel if item.state is None else (node.prim.kernel or (lambda *a: None))
-        at = len(d.base)  # where make_step puts the step's first constant (a product's weight)
         step = make_step(node, kernel, list(item.ins), item.attrs, item.state, d.base)
-        if item.rewritten and item.kernel in (W._matmul_pretransposed, W._linear_pretransposed) \
-                and isinstance(ins[0], int) and (item.kernel is W._matmul_pretransposed or ins[2] is None) \
-                and len(node.outputs) == 1 and isinstance(node.outputs[0], int):
-            # a product by a constant weight, no bias: what a run of .dense may replay. The weight by its slot:
-            # the projections pass may move it into huge pages (W.place_weights), and the step reads it there
+        if product:
+            # what a run of .dense may replay. The weight by its slot: the projections pass may move it into huge
+            # pages (W.place_weights), and the step reads it there
             step.product = (ins[0], at, ((node.outputs[0], 0, ins[1][1].shape[-1]),))  # type: ignore[attr-defined]
         d.steps.append(step)
         d.step_nodes.append(node)
@@ -411,11 +410,7 @@ def segments(d: Draft) -> None:
     :mod:`.segments`)."""
     from .segments import segments_of
 
-    if not d.flags["prepare_weights"]:  # a check's plan runs no kernels
-        return
-    d.steps, d.step_nodes, elided, n = segments_of(d.graph, d.steps, d.step_nodes, d.base)
-    d.elided |= elided
-    d.info["attention_segments"] = n
+    _replaying(d, segments_of, "attention_segments")
 
 
 def dense(d: Draft) -> None:
@@ -423,11 +418,17 @@ def dense(d: Draft) -> None:
     kernel call on a decode step's row (see :mod:`.dense`)."""
     from .dense import dense_runs
 
-    if not d.flags["prepare_weights"]:  # a check's plan runs no kernels
+    _replaying(d, dense_runs, "dense_runs")
+
+
+def _replaying(d: Draft, rewrite: Callable[..., tuple], count: str) -> None:
+    """Steps -> the steps ``rewrite(graph, steps, nodes, base)`` returns with the slots it no longer materialises
+    and how many steps it made (``d.info[count]``); not in a check's plan, which runs no kernels."""
+    if not d.flags["prepare_weights"]:
         return
-    d.steps, d.step_nodes, elided, n = dense_runs(d.graph, d.steps, d.step_nodes, d.base)
+    d.steps, d.step_nodes, elided, n = rewrite(d.graph, d.steps, d.step_nodes, d.base)
     d.elided |= elided
-    d.info["dense_runs"] = n
+    d.info[count] = n
 
 
 def liveness(d: Draft) -> None:

@@ -70,14 +70,11 @@ class Segment:
         values; else None."""
         ops, made = [], []
         for x, _, plan in self.views:
-            y = v[x]
-            if type(y) is not np.ndarray:
-                return None
-            got = plan.resolve(v, y.shape)
+            got = plan.apply(v, v[x])
             if got is None:
                 return None
-            ops.append(got)
-            made.append(apply_view(y, got))
+            ops.append(got[0])
+            made.append(got[1])
         for _, cos, sin, _, fits, vi in self.ropes:
             xv = made[vi]
             if not (fits(v, xv, v[cos], v[sin]) and xv.ndim == 4):
